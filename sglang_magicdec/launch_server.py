@@ -1,0 +1,111 @@
+"""`python -m sglang_magicdec.launch_server`: SGLang's HTTP server with our plugins and flags.
+
+Every SGLang flag works unchanged; the `MagicDec` group adds ours. Without `--model-path` the
+embedded SmolLM2-135M-Instruct is served. A bad flag or value ends the launch with one line on
+stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+PROG = "python -m sglang_magicdec.launch_server"
+
+
+class LaunchError(Exception):
+    """A user error at launch; its message is the one line printed."""
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise LaunchError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """SGLang's server flags plus the MagicDec group; `--model-path` becomes optional."""
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_magicdec.config import add_magicdec_args
+
+    parser = _OneLineParser(prog=PROG, description=__doc__.splitlines()[0])
+    ServerArgs.add_cli_args(parser)
+    model_path = parser._option_string_actions["--model-path"]
+    model_path.required = False
+    model_path.default = None
+    model_path.help += " Default: the embedded SmolLM2-135M-Instruct."
+    add_magicdec_args(parser)
+    return parser
+
+
+def _split_argv(argv: list[str]) -> list[str]:
+    """The argv SGLang's own parser should see: ours removed."""
+    from sglang_magicdec.config import add_magicdec_args
+
+    ours = argparse.ArgumentParser(add_help=False)
+    add_magicdec_args(ours)
+    _, rest = ours.parse_known_args(argv)
+    return rest
+
+
+def prepare(argv: list[str]):
+    """Parse, validate and resolve everything; returns SGLang's resolved ServerArgs."""
+    from sglang.srt.server_args import prepare_server_args
+
+    from sglang_magicdec.config import config_from_args
+    from sglang_magicdec.model import EmbeddedModelError, embedded_model_path
+
+    args = build_parser().parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from None
+    sglang_argv = _split_argv(argv)
+    if args.model_path is None:
+        try:
+            sglang_argv += ["--model-path", embedded_model_path()]
+        except EmbeddedModelError as exc:
+            raise LaunchError(str(exc)) from None
+    config.to_env()
+    try:
+        server_args = prepare_server_args(sglang_argv)
+        server_args.resolve_once()
+    except SystemExit:
+        raise
+    except Exception as exc:  # noqa: BLE001 - SGLang validates with assorted exception types
+        raise LaunchError(_first_line(exc)) from None
+    return server_args
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.utils import kill_process_tree
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Import-time notices about GPU-only quantization kernels; meaningless here and noisy.
+    warnings.filterwarnings("ignore", message="Only CUDA", category=UserWarning)
+    load_plugins()  # ours included: registers the attention backend before flags are parsed
+    try:
+        server_args = prepare(argv)
+    except LaunchError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+
+    from sglang.launch_server import run_server
+
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

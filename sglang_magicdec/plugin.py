@@ -1,0 +1,45 @@
+"""`sglang.srt.plugins` entry point, run by SGLang early in every process (launcher, scheduler,
+detokenizer), so whatever we register here exists wherever SGLang looks for it."""
+
+from __future__ import annotations
+
+from sglang_magicdec.platforms import ATTENTION_BACKEND
+
+
+def load() -> None:
+    """Register our attention backend and, on our CPU platform, the CPU defaults."""
+    from sglang.srt.arg_groups.choices import add_attention_backend_choices
+    from sglang.srt.layers.attention.attention_registry import register_attention_backend
+
+    from sglang_magicdec.attention import create_backend
+    from sglang_magicdec.platforms import is_active
+
+    add_attention_backend_choices([ATTENTION_BACKEND])
+    register_attention_backend(ATTENTION_BACKEND)(create_backend)
+    if is_active():
+        _register_cpu_defaults()
+
+
+def _register_cpu_defaults() -> None:
+    """Default `device` and the attention backend on our CPU platform.
+
+    SGLang resolves both in named pipeline steps that run before the platform's own
+    `apply_server_args_defaults`, and the CPU step would pick `intel_amx` (the kernel package we
+    cannot build), so these two steps are wrapped: the narrowest seam SGLang offers for it.
+    """
+    from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
+    from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
+
+    @register_resolution_hook("handle_missing_default_values")
+    def default_device_cpu(server_args, previous) -> None:
+        if resolving_view(server_args).device is None:
+            declare_resolution(server_args, "magicdec_cpu_platform", device="cpu")
+        previous(server_args)
+
+    @register_resolution_hook("handle_cpu_backends")
+    def default_attention_backend(server_args, previous) -> None:
+        if resolving_view(server_args).attention_backend is None:
+            declare_resolution(
+                server_args, "magicdec_cpu_platform", attention_backend=ATTENTION_BACKEND
+            )
+        previous(server_args)

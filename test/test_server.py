@@ -1,0 +1,62 @@
+"""The real SGLang HTTP server, started by our launcher on the embedded model, on this CPU."""
+
+import openai
+import pytest
+import requests
+
+from sglang_magicdec.platforms import ATTENTION_BACKEND
+
+
+@pytest.fixture(scope="module")
+def server(server_factory):
+    return server_factory()  # no flags at all: embedded model, CPU defaults
+
+
+def test_cpu_defaults_need_no_flags(server):
+    info = requests.get(f"{server.url}/get_server_info", timeout=10).json()
+    assert info["device"] == "cpu"
+    assert info["attention_backend"] == ATTENTION_BACKEND
+    assert info["dtype"] == "float32"
+
+
+def test_openai_chat_answers_a_factual_question(server):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    reply = client.chat.completions.create(
+        model="default",
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0,
+        max_tokens=32,
+    )
+    assert "Paris" in reply.choices[0].message.content
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 17, 64])
+def test_generate_returns_exactly_max_new_tokens(server, max_new_tokens):
+    result = server.generate(
+        {
+            "text": "Once upon a time",
+            "sampling_params": {
+                "max_new_tokens": max_new_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        }
+    )
+    assert result["meta_info"]["completion_tokens"] == max_new_tokens
+    assert len(result["output_ids"]) == max_new_tokens
+    assert result["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_frontend_program_runs_against_runtime_endpoint(server):
+    import sglang as sgl
+
+    @sgl.function
+    def capital_then_country(s, city):
+        s += sgl.user(f"Which country is {city} the capital of? Answer in one word.")
+        s += sgl.assistant(sgl.gen("country", max_tokens=8, temperature=0))
+        s += sgl.user("Repeat that word.")
+        s += sgl.assistant(sgl.gen("again", max_tokens=8, temperature=0))
+
+    state = capital_then_country.run(city="Paris", backend=sgl.RuntimeEndpoint(server.url))
+    assert "France" in state["country"]
+    assert state["again"].strip(), "the second gen of the program produced nothing"
