@@ -134,8 +134,8 @@ def _pieces_attention(q, k_cache, v_cache, pieces: KeyPieces, scale: float) -> t
         key_views.append(k_cache[start : start + length])
         value_views.append(v_cache[start : start + length])
     if pieces.scattered is not None:
-        key_views.append(k_cache[pieces.scattered])
-        value_views.append(v_cache[pieces.scattered])
+        key_views.append(k_cache.index_select(0, pieces.scattered))
+        value_views.append(v_cache.index_select(0, pieces.scattered))
     # [Hkv, L, D] views: transposing the pool slice is free, matmul reads it strided.
     scores = torch.cat(
         [torch.matmul(queries, keys.to(q.dtype).permute(1, 2, 0)) for keys in key_views], dim=-1
@@ -166,8 +166,8 @@ def _pieces_attention(q, k_cache, v_cache, pieces: KeyPieces, scale: float) -> t
 
 def _fused_sdpa(q, k_cache, v_cache, slots, scale: float) -> torch.Tensor:
     q_len, kv_len = q.shape[0], slots.numel()
-    keys = k_cache[slots].transpose(0, 1).to(q.dtype)  # [Hkv, L, D]
-    values = v_cache[slots].transpose(0, 1).to(q.dtype)
+    keys = k_cache.index_select(0, slots).transpose(0, 1).to(q.dtype)  # [Hkv, L, D]
+    values = v_cache.index_select(0, slots).transpose(0, 1).to(q.dtype)
     if q_len == kv_len:
         mask, causal = None, True
     else:

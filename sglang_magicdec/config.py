@@ -1,5 +1,5 @@
-"""MagicDec's own command-line flags: parsed once by our launcher, beside SGLang's, and handed to
-the scheduler processes (spawned, so through the environment) as JSON."""
+"""MagicDec's own command-line flags: parsed once by our launcher, beside SGLang's, validated with
+one-line errors, and handed to the scheduler processes (spawned, so through the environment)."""
 
 from __future__ import annotations
 
@@ -10,16 +10,54 @@ import os
 from dataclasses import dataclass
 
 ENV_VAR = "SGLANG_MAGICDEC_CONFIG"
+ALGORITHM = "MAGICDEC"
+DRAFTS = ("streaming",)
+DEFAULT_GAMMA = 3
 GROUP_TITLE = "MagicDec"
 GROUP_DESCRIPTION = (
-    "Self-speculative decoding for long contexts: the target model drafts with a small, fixed "
-    "subset of its own KV cache, then verifies the draft in one pass."
+    "Self-speculative decoding for long contexts (with --speculative-algorithm MAGICDEC): the "
+    "target model drafts with a small, fixed subset of its own KV cache, then verifies the draft "
+    "in one pass. γ is --speculative-num-steps (default 3)."
 )
 
 
 @dataclass(frozen=True)
 class MagicDecConfig:
-    """Every MagicDec knob, validated once at start."""
+    """Every MagicDec knob.
+
+    draft        KV-selection policy of the draft ("streaming": sinks + recent window)
+    budget       draft KV tokens per request for the prompt part, sinks included
+    sinks        attention-sink tokens at the start of the context kept by the draft
+    min_context  below this many committed tokens the draft reads the whole context, i.e. the
+                 request is decoded plainly (its draft is the target itself); None = budget
+    debug        check every draft selection against the request's live KV slots (tests)
+    """
+
+    draft: str = "streaming"
+    budget: int = 512
+    sinks: int = 16
+    min_context: int | None = None
+    debug: bool = False
+
+    def __post_init__(self) -> None:
+        if self.draft not in DRAFTS:
+            raise ValueError(
+                f"--magicdec-draft must be one of {', '.join(DRAFTS)}, got {self.draft!r}"
+            )
+        if self.sinks < 0:
+            raise ValueError(f"--magicdec-sinks must be >= 0, got {self.sinks}")
+        if self.budget <= self.sinks:
+            raise ValueError(
+                f"--magicdec-budget ({self.budget}) must be larger than --magicdec-sinks "
+                f"({self.sinks}): the draft needs room for recent tokens"
+            )
+        if self.min_context is not None and self.min_context < 0:
+            raise ValueError(f"--magicdec-min-context must be >= 0, got {self.min_context}")
+
+    @property
+    def dense_below(self) -> int:
+        """Committed length below which a request's draft is the whole context."""
+        return self.budget if self.min_context is None else self.min_context
 
     def to_env(self) -> None:
         os.environ[ENV_VAR] = json.dumps(dataclasses.asdict(self))
@@ -30,11 +68,63 @@ class MagicDecConfig:
         return cls(**json.loads(raw)) if raw else cls()
 
 
+_FLAGS = {
+    "draft": (
+        "--magicdec-draft",
+        dict(choices=DRAFTS, help="draft KV selection (default: streaming)"),
+    ),
+    "budget": (
+        "--magicdec-budget",
+        dict(
+            type=int,
+            help="draft KV tokens per request for the prompt part, sinks included (default: 512)",
+        ),
+    ),
+    "sinks": (
+        "--magicdec-sinks",
+        dict(type=int, help="attention-sink tokens kept by the draft (default: 16)"),
+    ),
+    "min_context": (
+        "--magicdec-min-context",
+        dict(
+            type=int,
+            help="below this context length a request is decoded plainly (default: the budget)",
+        ),
+    ),
+    "debug": (
+        "--magicdec-debug",
+        dict(
+            action="store_true",
+            default=None,
+            help="check every draft selection against live KV slots (slow; for tests)",
+        ),
+    ),
+}
+
+
 def add_magicdec_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    """Add the `MagicDec` argument group (shown in --help)."""
-    return parser.add_argument_group(GROUP_TITLE, GROUP_DESCRIPTION)
+    """Add the `MagicDec` argument group (shown in --help); unset flags parse as None."""
+    group = parser.add_argument_group(GROUP_TITLE, GROUP_DESCRIPTION)
+    for field, (flag, options) in _FLAGS.items():
+        group.add_argument(flag, dest=f"magicdec_{field}", **options)
+    return group
 
 
-def config_from_args(args: argparse.Namespace) -> MagicDecConfig:
-    """Build and validate the config; raises ValueError with a one-line reason."""
-    return MagicDecConfig()
+def config_from_args(args: argparse.Namespace) -> MagicDecConfig | None:
+    """Validated config when MAGICDEC is selected, None otherwise; raises ValueError with a
+    one-line reason for bad values or MagicDec flags without the algorithm."""
+    given = {
+        field: getattr(args, f"magicdec_{field}")
+        for field in _FLAGS
+        if getattr(args, f"magicdec_{field}", None) is not None
+    }
+    algorithm = (getattr(args, "speculative_algorithm", None) or "").upper()
+    if algorithm != ALGORITHM:
+        if given:
+            flags = ", ".join(_FLAGS[field][0] for field in given)
+            raise ValueError(f"{flags} need --speculative-algorithm {ALGORITHM}")
+        return None
+    steps = getattr(args, "speculative_num_steps", None)
+    if steps is not None and steps < 1:
+        raise ValueError(f"--speculative-num-steps (γ) must be >= 1 for {ALGORITHM}, got {steps}")
+    return MagicDecConfig(**given)

@@ -68,7 +68,8 @@ def prepare(argv: list[str]):
             sglang_argv += ["--model-path", embedded_model_path()]
         except EmbeddedModelError as exc:
             raise LaunchError(str(exc)) from None
-    config.to_env()
+    if config is not None:
+        config.to_env()
     try:
         server_args = prepare_server_args(sglang_argv)
         server_args.resolve_once()

@@ -1,0 +1,119 @@
+"""Our CPU attention backend (`magicdec_cpu`) against SGLang's stock `torch_native` backend and HF
+transformers, measured side by side in one run on this machine.
+
+    .venv/bin/python benchmark/bench_cpu_backend.py            # or: make bench
+
+Reports decode tokens/s for (a) one short prompt, (b) a batch of 4 PG-19 prompts of 2K tokens.
+Prompts are prefilled first (max_new_tokens=1, then served from the radix cache), so the timed
+request measures decode. Servers run one at a time; the machine has two cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from sglang_magicdec.model import embedded_model_path
+from sglang_magicdec.server_process import ServerProcess, start_server
+
+DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+SHORT_PROMPT = "The capital of France is"
+
+
+def _decode_rate(server: ServerProcess, prompts: list[list[int]], new_tokens: int) -> float:
+    """Decode tokens/s of one concurrent batch, prefill excluded (warmed into the radix cache)."""
+
+    def run(input_ids: list[int], max_new_tokens: int) -> dict:
+        params = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}
+        return server.generate({"input_ids": input_ids, "sampling_params": params})
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        list(pool.map(lambda ids: run(ids, 1), prompts))
+        start = time.perf_counter()
+        results = list(pool.map(lambda ids: run(ids, new_tokens + 1), prompts))
+        elapsed = time.perf_counter() - start
+    assert all(r["meta_info"]["completion_tokens"] == new_tokens + 1 for r in results)
+    return len(prompts) * new_tokens / elapsed
+
+
+def _hf_rate(model_path: str, input_ids: list[int], new_tokens: int, dtype: torch.dtype) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+    ids = torch.tensor([input_ids])
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=4, do_sample=False)
+        start = time.perf_counter()
+        model.generate(
+            ids, max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1, do_sample=False
+        )
+        elapsed = time.perf_counter() - start
+    return new_tokens / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    parser.add_argument("--context", type=int, default=2048, help="prompt tokens of the batch")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--out", type=Path, default=Path("benchmark/results/cpu_backend.json"))
+    args = parser.parse_args()
+
+    from transformers import AutoTokenizer
+
+    model_path = embedded_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    with (args.data / "pg19" / "pg19_4K.jsonl").open() as handle:
+        texts = [json.loads(line)["text"] for line in handle][: args.batch]
+    long_prompts = [tokenizer(text)["input_ids"][: args.context] for text in texts]
+    short_prompt = tokenizer(SHORT_PROMPT)["input_ids"]
+
+    rates: dict[str, dict[str, float]] = {}
+    log_dir = Path(tempfile.mkdtemp(prefix="bench-cpu-"))
+    for backend in ["torch_native", "magicdec_cpu"]:
+        server = start_server(["--dtype", args.dtype, "--attention-backend", backend], log_dir)
+        try:
+            rates[backend] = {
+                "short_b1": _decode_rate(server, [short_prompt], args.new_tokens),
+                "long_batch": _decode_rate(server, long_prompts, args.new_tokens),
+            }
+        finally:
+            server.stop()
+        print(f"{backend}: {rates[backend]}", flush=True)
+    rates["hf_transformers"] = {
+        "short_b1": _hf_rate(model_path, short_prompt, args.new_tokens, getattr(torch, args.dtype))
+    }
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rates": rates}, indent=2)
+    )
+    ours, stock, hf = rates["magicdec_cpu"], rates["torch_native"], rates["hf_transformers"]
+    label = f"batch {args.batch} x {args.context} ctx"
+    print(
+        f"\ndecode tokens/s, {args.dtype}, {args.new_tokens} new tokens, "
+        f"torch threads {torch.get_num_threads()}"
+    )
+    print("| case | torch_native | magicdec_cpu | HF transformers | ours / stock | ours / HF |")
+    print("|---|---|---|---|---|---|")
+    print(
+        f"| 1 request, short prompt | {stock['short_b1']:.1f} | {ours['short_b1']:.1f} | "
+        f"{hf['short_b1']:.1f} | {ours['short_b1'] / stock['short_b1']:.2f}x | "
+        f"{ours['short_b1'] / hf['short_b1']:.2f}x |"
+    )
+    print(
+        f"| {label} | {stock['long_batch']:.1f} | {ours['long_batch']:.1f} | - | "
+        f"{ours['long_batch'] / stock['long_batch']:.2f}x | - |"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,5 @@
+"""Draft KV-selection policies: which committed positions the draft attends to."""
+
+from sglang_magicdec.drafts.streaming import StreamingDraft
+
+__all__ = ["StreamingDraft"]

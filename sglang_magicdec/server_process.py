@@ -1,0 +1,75 @@
+"""Start `python -m sglang_magicdec.launch_server` as a child process and wait until it serves.
+
+Used by the tests and the benchmarks; handy for scripts that want a throwaway local server.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+
+LAUNCH = [sys.executable, "-m", "sglang_magicdec.launch_server"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def generate(self, payload: dict, timeout: float = 900) -> dict:
+        response = requests.post(f"{self.url}/generate", json=payload, timeout=timeout)
+        response.raise_for_status()
+        return response.json()
+
+    def server_info(self) -> dict:
+        return requests.get(f"{self.url}/get_server_info", timeout=30).json()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def start_server(args: list[str], log_dir: Path, timeout_s: float = 300) -> ServerProcess:
+    """Launch on a free loopback port; raises RuntimeError with the log tail if it fails."""
+    port = free_port()
+    log_path = Path(log_dir) / f"server-{port}.log"
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            [*LAUNCH, "--host", "127.0.0.1", "--port", str(port), *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    server = ServerProcess(f"http://127.0.0.1:{port}", process, log_path)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log_tail()}")
+        try:
+            if requests.get(f"{server.url}/v1/models", timeout=2).status_code == 200:
+                return server
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    server.stop()
+    raise RuntimeError(f"server did not answer within {timeout_s:.0f}s:\n{server.log_tail()}")

@@ -1,0 +1,41 @@
+"""Our CPU attention backend gives the same greedy tokens as SGLang's stock torch_native one."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from test.conftest import pg19_texts
+
+PROMPT_TOKENS = 2048
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return [tokenizer(text)["input_ids"][:PROMPT_TOKENS] for text in pg19_texts("4K", count=3)]
+
+
+def _greedy_batch(server, prompts):
+    def one(input_ids):
+        payload = {
+            "input_ids": input_ids,
+            "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True},
+        }
+        return server.generate(payload)["output_ids"]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:  # one concurrent batch
+        return list(pool.map(one, prompts))
+
+
+def test_greedy_tokens_identical_to_torch_native_fp32(server_factory, prompts):
+    ours = server_factory("--dtype", "float32")
+    our_outputs = _greedy_batch(ours, prompts)
+    ours.stop()  # two cores: never two servers decoding at once
+    stock = server_factory("--dtype", "float32", "--attention-backend", "torch_native")
+    stock_outputs = _greedy_batch(stock, prompts)
+    for index, (got, expected) in enumerate(zip(our_outputs, stock_outputs, strict=True)):
+        assert len(got) == NEW_TOKENS
+        first_diff = next(
+            (i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b), None
+        )
+        assert first_diff is None, f"prompt {index}: first different token at {first_diff}"

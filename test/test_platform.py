@@ -1,0 +1,47 @@
+"""The CPU platform plugin activates only where it should."""
+
+import pytest
+
+from sglang_magicdec import platforms
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    monkeypatch.delenv("SGLANG_PLATFORM", raising=False)
+    monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
+    return monkeypatch
+
+
+def test_activates_on_a_machine_without_gpu(clean_env):
+    clean_env.setattr("torch.cuda.is_available", lambda: False)
+    assert platforms.activate() == platforms.PLATFORM_CLASS
+
+
+def test_stays_out_of_the_way_on_cuda(clean_env):
+    clean_env.setattr("torch.cuda.is_available", lambda: True)
+    assert platforms.activate() is None
+
+
+def test_stays_out_when_sglang_cpu_engine_is_chosen(clean_env):
+    clean_env.setattr("torch.cuda.is_available", lambda: False)
+    clean_env.setenv("SGLANG_USE_CPU_ENGINE", "1")
+    assert platforms.activate() is None
+
+
+def test_stays_out_when_another_platform_is_selected(clean_env):
+    clean_env.setenv("SGLANG_PLATFORM", "some_other_plugin")
+    assert platforms.activate() is None
+
+
+def test_explicit_selection_wins_even_with_cuda(clean_env):
+    clean_env.setattr("torch.cuda.is_available", lambda: True)
+    clean_env.setenv("SGLANG_PLATFORM", platforms.PLATFORM_NAME)
+    assert platforms.activate() == platforms.PLATFORM_CLASS
+
+
+def test_platform_class_is_the_active_one_here():
+    import sglang  # noqa: F401 - resolves the platform the way a server does
+    from sglang.srt.platforms import current_platform
+
+    assert type(current_platform).__name__ == "MagicDecCpuPlatform"
+    assert current_platform.get_default_attention_backend() == platforms.ATTENTION_BACKEND
