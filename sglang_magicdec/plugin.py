@@ -7,17 +7,22 @@ from sglang_magicdec.platforms import ATTENTION_BACKEND
 
 
 def load() -> None:
-    """Register our attention backend and, on our CPU platform, the CPU defaults."""
+    """Register MAGICDEC, our attention backend and, on our CPU platform, the CPU defaults."""
     from sglang.srt.arg_groups.choices import add_attention_backend_choices
     from sglang.srt.layers.attention.attention_registry import register_attention_backend
 
+    from sglang_magicdec import spec_algo
     from sglang_magicdec.attention import create_backend
     from sglang_magicdec.platforms import is_active
 
     add_attention_backend_choices([ATTENTION_BACKEND])
     register_attention_backend(ATTENTION_BACKEND)(create_backend)
+    spec_algo.register()
     if is_active():
+        from sglang_magicdec.platforms import torch_ops
+
         _register_cpu_defaults()
+        torch_ops.register()
 
 
 def _register_cpu_defaults() -> None:

@@ -38,6 +38,13 @@ class MagicDecCpuPlatform(CpuDeviceMixin, SRTPlatform):
             # RAM and make a start take 10+ s just to zero it.
             server_args.mem_fraction_static = DEFAULT_MEM_FRACTION
 
+    def get_kv_pool_cls(self, *, kind: str):
+        if kind != "mha":
+            return None
+        from sglang_magicdec.platforms.kv_pool import TorchMoveMHAPool
+
+        return TorchMoveMHAPool
+
     def get_default_attention_backend(self) -> str:
         return ATTENTION_BACKEND
 

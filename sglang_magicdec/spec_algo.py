@@ -1,0 +1,76 @@
+"""`MAGICDEC` in SGLang's speculative-algorithm registry: server-argument rules and the worker."""
+
+from __future__ import annotations
+
+from sglang.srt.speculative.spec_registry import CustomSpecAlgo
+
+from sglang_magicdec.config import ALGORITHM, DEFAULT_GAMMA
+
+
+class MagicDecAlgo(CustomSpecAlgo):
+    """A chain draft of γ tokens verified in one pass of γ + 1 tokens.
+
+    SGLang 0.5.23's `CustomSpecAlgo` misses three methods the scheduler calls on every algorithm
+    (`carries_draft_hidden_states`, `need_topk`, `create_future_map`); they are given here with
+    the answers for a draft that has no hidden states and no tree.
+    """
+
+    def carries_draft_hidden_states(self) -> bool:
+        return False
+
+    def need_topk(self) -> bool:
+        return False
+
+    def create_future_map(
+        self, device, req_to_token_pool, needs_cpu_seq_lens=True, needs_confidence_relay=False
+    ):
+        from sglang.srt.managers.overlap_utils import FutureMap
+
+        return FutureMap(
+            device, self, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay
+        )
+
+    def handle_server_args(self, server_args) -> None:
+        gamma = server_args.speculative_num_steps or DEFAULT_GAMMA
+        server_args.speculative_num_steps = gamma
+        server_args.speculative_eagle_topk = 1
+        server_args.speculative_num_draft_tokens = gamma + 1
+        # Each round's drafts depend on the last round's accepted tokens.
+        server_args.disable_overlap_schedule = True
+
+
+def validate_server_args(server_args) -> None:
+    """One-line errors for flag combinations MAGICDEC cannot serve."""
+    steps = server_args.speculative_num_steps
+    if steps is not None and steps < 1:
+        raise ValueError(f"--speculative-num-steps (γ) must be >= 1 for {ALGORITHM}, got {steps}")
+    if (server_args.speculative_eagle_topk or 1) != 1:
+        raise ValueError(f"{ALGORITHM} drafts a chain: --speculative-eagle-topk must be 1")
+    tokens = server_args.speculative_num_draft_tokens
+    if tokens is not None and tokens != (steps or DEFAULT_GAMMA) + 1:
+        raise ValueError(
+            f"{ALGORITHM} verifies γ + 1 tokens: --speculative-num-draft-tokens must be "
+            f"--speculative-num-steps + 1 (or unset)"
+        )
+    if server_args.speculative_draft_model_path is not None:
+        raise ValueError(
+            f"{ALGORITHM} drafts with the target model itself: drop --speculative-draft-model-path"
+        )
+
+
+def worker_class(server_args):
+    from sglang_magicdec.worker import MagicDecWorker
+
+    return MagicDecWorker
+
+
+def register() -> None:
+    from sglang.srt.speculative.spec_registry import get_spec, register_algorithm
+
+    if get_spec(ALGORITHM) is None:
+        register_algorithm(
+            ALGORITHM,
+            supports_overlap=False,
+            validate_server_args=validate_server_args,
+            spec_class=MagicDecAlgo,
+        )(worker_class)
