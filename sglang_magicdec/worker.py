@@ -1,4 +1,4 @@
-"""The MagicDec speculative worker, run by SGLang's scheduler for `--speculative-algorithm MAGICDEC`.
+"""The MagicDec speculative worker, run by the scheduler for `--speculative-algorithm MAGICDEC`.
 
 Extend batches go to the target model as usual. Each decode round, per request with committed
 length S and last sampled token x0 (its KV not computed yet):
