@@ -10,6 +10,7 @@ def load() -> None:
     """Register MAGICDEC, our attention backend and, on our CPU platform, the CPU defaults."""
     from sglang.srt.arg_groups.choices import add_attention_backend_choices
     from sglang.srt.layers.attention.attention_registry import register_attention_backend
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from sglang_magicdec import spec_algo
     from sglang_magicdec.attention import create_backend
@@ -18,11 +19,30 @@ def load() -> None:
     add_attention_backend_choices([ATTENTION_BACKEND])
     register_attention_backend(ATTENTION_BACKEND)(create_backend)
     spec_algo.register()
+    HookRegistry.register(INTERNAL_STATE_SPECULATIVE, add_server_info, HookType.AFTER)
     if is_active():
         from sglang_magicdec.platforms import torch_ops
 
         _register_cpu_defaults()
         torch_ops.register()
+
+
+INTERNAL_STATE_SPECULATIVE = (
+    "sglang.srt.managers.scheduler_components.internal_state."
+    "SchedulerInternalStateController._add_speculative"
+)
+
+
+def add_server_info(result, controller, state: dict, *args, **kwargs):
+    """Our worker's own acceptance counters in `/get_server_info`: SGLang's
+    `avg_spec_accept_length` only folds in every `--decode-log-interval` decode batches."""
+    server_info = getattr(controller.scheduler.draft_worker, "server_info", None)
+    if server_info is not None:
+        info = server_info()
+        state["magicdec"] = info
+        if info["verify_rounds"]:
+            state["avg_spec_accept_length"] = info["avg_accept_length"]
+    return result
 
 
 def _register_cpu_defaults() -> None:

@@ -20,6 +20,7 @@ the forward returns (`Scheduler._forward_isolation`).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 from sglang.srt.managers.schedule_batch import ScheduleBatch
@@ -65,6 +66,29 @@ class MagicDecInput(SpecInput):
         pass
 
 
+@dataclass
+class AcceptanceStats:
+    """Server-lifetime counters of verified rounds, per request."""
+
+    request_rounds: int = 0  # (request, verify pass) pairs
+    accepted_tokens: int = 0  # tokens those passes committed, the target's bonus token included
+    correct_drafts: int = 0
+
+    def record(self, accept_lens: torch.Tensor) -> None:
+        self.request_rounds += accept_lens.numel()
+        accepted = int(accept_lens.sum())
+        self.accepted_tokens += accepted
+        self.correct_drafts += accepted - accept_lens.numel()
+
+    def summary(self, gamma: int) -> dict:
+        rounds = max(self.request_rounds, 1)
+        return {
+            "verify_rounds": self.request_rounds,
+            "avg_accept_length": self.accepted_tokens / rounds,
+            "draft_acceptance_rate": self.correct_drafts / (rounds * gamma),
+        }
+
+
 class MagicDecWorker(BaseSpecWorker):
     """Self-speculation: the target model drafts on a sparse view of its own KV cache."""
 
@@ -85,6 +109,7 @@ class MagicDecWorker(BaseSpecWorker):
         self.num_draft_tokens: int = get_spec().speculative_num_draft_tokens
         assert self.num_draft_tokens == self.gamma + 1
         self.draft_policy = StreamingDraft(budget=self.config.budget, sinks=self.config.sinks)
+        self.stats = AcceptanceStats()
         logger.info(
             "MagicDec: draft=%s budget=%d sinks=%d gamma=%d dense below %d tokens",
             self.config.draft,
@@ -93,6 +118,16 @@ class MagicDecWorker(BaseSpecWorker):
             self.gamma,
             self.config.dense_below,
         )
+
+    def server_info(self) -> dict:
+        """What `/get_server_info` shows under `magicdec` (see `plugin.add_server_info`)."""
+        return {
+            "draft": self.config.draft,
+            "budget": self.config.budget,
+            "sinks": self.config.sinks,
+            "gamma": self.gamma,
+            **self.stats.summary(self.gamma),
+        }
 
     @property
     def draft_worker(self) -> None:
@@ -156,6 +191,7 @@ class MagicDecWorker(BaseSpecWorker):
         target = verify.logits_output.next_token_logits.argmax(dim=-1).view(tokens.shape)
         agrees = (tokens[:, 1:] == target[:, :-1]).to(torch.int32)
         accept_lens = agrees.cumprod(dim=1).sum(dim=1, dtype=torch.int32) + 1
+        self.stats.record(accept_lens)
         new_seq_lens = batch.seq_lens + accept_lens
         if on_publish is not None:
             on_publish(new_seq_lens)

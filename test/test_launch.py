@@ -17,6 +17,13 @@ def test_help_shows_magicdec_group():
     result = _launch("--help")
     assert result.returncode == 0
     assert "\nMagicDec:\n" in result.stdout
+    for flag in [
+        "--magicdec-draft",
+        "--magicdec-budget",
+        "--magicdec-sinks",
+        "--magicdec-min-context",
+    ]:
+        assert flag in result.stdout
     assert "--model-path" in result.stdout
 
 
@@ -27,6 +34,22 @@ def test_help_shows_magicdec_group():
         (["--tp-size", "two"], "invalid int value: 'two'"),
         (["--attention-backend", "nope"], "invalid choice: 'nope'"),
         (["--model-path", "/nonexistent/model"], "/nonexistent/model"),
+        (["--magicdec-budget", "256"], "--magicdec-budget need --speculative-algorithm MAGICDEC"),
+        (
+            ["--speculative-algorithm", "MAGICDEC", "--magicdec-budget", "16"],
+            "--magicdec-budget (16) must be larger than --magicdec-sinks (16)",
+        ),
+        (["--speculative-algorithm", "MAGICDEC", "--magicdec-sinks", "-1"], "must be >= 0"),
+        (["--speculative-algorithm", "MAGICDEC", "--magicdec-draft", "nope"], "invalid choice"),
+        (["--speculative-algorithm", "MAGICDEC", "--magicdec-budget", "x"], "invalid int value"),
+        (
+            ["--speculative-algorithm", "MAGICDEC", "--speculative-num-steps", "0"],
+            "(γ) must be >= 1",
+        ),
+        (
+            ["--speculative-algorithm", "MAGICDEC", "--speculative-eagle-topk", "4"],
+            "--speculative-eagle-topk must be 1",
+        ),
     ],
 )
 def test_bad_flag_is_one_line_error(args, reason):

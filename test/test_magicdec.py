@@ -1,0 +1,214 @@
+"""MAGICDEC inside the real SGLang server on CPU, against the same server without speculation.
+
+Both servers run float32 on the embedded model. The MAGICDEC one runs in debug mode, which checks
+every draft selection against the request's live KV slots.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from test.conftest import pg19_texts
+
+GAMMA = 3
+# The reference per-token acceptance of StreamingLLM at budget 512 (DESIGN.md §4).
+REFERENCE_ALPHA_STREAMING_512 = 0.84
+TIE_GAP = 1e-4
+POOL_ARGS = ("--dtype", "float32", "--max-total-tokens", "60000")
+
+
+@pytest.fixture(scope="module")
+def spec(server_factory):
+    return server_factory(
+        *POOL_ARGS,
+        "--speculative-algorithm",
+        "MAGICDEC",
+        "--speculative-num-steps",
+        str(GAMMA),
+        "--magicdec-debug",
+    )
+
+
+@pytest.fixture(scope="module")
+def plain(server_factory):
+    return server_factory(*POOL_ARGS)
+
+
+@pytest.fixture(scope="module")
+def long_prompts(tokenizer):
+    return [tokenizer(text)["input_ids"][:2048] for text in pg19_texts("4K", count=10)]
+
+
+def greedy(server, input_ids, max_new_tokens, **params) -> dict:
+    sampling = {"max_new_tokens": max_new_tokens, "temperature": 0, **params}
+    return server.generate({"input_ids": input_ids, "sampling_params": sampling})
+
+
+def concurrently(server, prompts, max_new_tokens, **params) -> list[dict]:
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda ids: greedy(server, ids, max_new_tokens, **params), prompts))
+
+
+def top2_gap(server, context: list[int]) -> float:
+    """Logit gap between the two most likely next tokens (logprob gap: same normaliser)."""
+    result = server.generate(
+        {
+            "input_ids": context,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+            "return_logprob": True,
+            "top_logprobs_num": 2,
+            "logprob_start_len": len(context) - 1,
+        }
+    )
+    (first, _, _), (second, _, _) = result["meta_info"]["output_top_logprobs"][0][:2]
+    return first - second
+
+
+def assert_same_or_tie(plain, prompt, got, expected, label):
+    """Outputs must match; a divergence is allowed only at a numerical tie of the target."""
+    diverge = next((i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), None)
+    if diverge is None:
+        assert len(got) == len(expected), f"{label}: lengths {len(got)} != {len(expected)}"
+        return
+    gap = top2_gap(plain, prompt + expected[:diverge])
+    assert gap < TIE_GAP, (
+        f"{label}: diverged at token {diverge} where the target's top-2 gap is {gap:.3g} "
+        f"(not a tie): got {got[diverge]}, expected {expected[diverge]}"
+    )
+
+
+def test_greedy_identical_to_autoregressive_in_one_ragged_batch(spec, plain, long_prompts):
+    spec_results = concurrently(spec, long_prompts, 64, ignore_eos=True)
+    plain_results = concurrently(plain, long_prompts, 64, ignore_eos=True)
+    for index, (prompt, got, expected) in enumerate(
+        zip(long_prompts, spec_results, plain_results, strict=True)
+    ):
+        assert_same_or_tie(
+            plain, prompt, got["output_ids"], expected["output_ids"], f"prompt {index}"
+        )
+    accept_lengths = {round(r["meta_info"]["spec_accept_length"], 3) for r in spec_results}
+    assert len(accept_lengths) > 1, "acceptance lengths should differ inside the batch"
+    assert all(r["meta_info"]["spec_verify_ct"] > 0 for r in spec_results)
+
+
+def per_token_alpha(mean_accepted: float, gamma: int) -> float:
+    """Invert Ω(γ, α) = (1 − α^(γ+1)) / (1 − α) = mean tokens per round, by bisection."""
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        alpha = (low + high) / 2
+        omega = sum(alpha**k for k in range(gamma + 1))
+        low, high = (alpha, high) if omega < mean_accepted else (low, alpha)
+    return (low + high) / 2
+
+
+def test_streaming_acceptance_matches_reference(spec, tokenizer):
+    """PG-19 4K, first 6 documents cut to 16,000 characters, 64 tokens, budget 512."""
+    prompts = [tokenizer(text[:16000])["input_ids"] for text in pg19_texts("4K", count=6)]
+    results = concurrently(spec, prompts, 64, ignore_eos=True)
+    rounds = sum(r["meta_info"]["spec_verify_ct"] for r in results)
+    correct = sum(r["meta_info"]["spec_num_correct_drafts"] for r in results)
+    alpha = per_token_alpha(1 + correct / rounds, GAMMA)
+    print(
+        f"streaming budget 512: {rounds} rounds, mean accepted {1 + correct / rounds:.3f}, α={alpha:.3f}"
+    )
+    assert abs(alpha - REFERENCE_ALPHA_STREAMING_512) <= 0.03, f"α = {alpha:.3f}"
+
+
+@pytest.mark.parametrize("max_new_tokens", [5, 6, 7, 33])
+def test_max_new_tokens_inside_an_accepted_run(spec, plain, long_prompts, max_new_tokens):
+    prompt = long_prompts[0]
+    got = greedy(spec, prompt, max_new_tokens, ignore_eos=True)
+    expected = greedy(plain, prompt, max_new_tokens, ignore_eos=True)
+    assert got["meta_info"]["completion_tokens"] == max_new_tokens
+    assert got["output_ids"] == expected["output_ids"]
+
+
+def test_eos_inside_an_accepted_run_with_prompt_shorter_than_budget(spec, plain, tokenizer):
+    prompt = tokenizer("The capital of France is")["input_ids"]
+    got = greedy(spec, prompt, 64)
+    expected = greedy(plain, prompt, 64)
+    assert expected["meta_info"]["finish_reason"]["type"] == "stop", "needs an EOS within 64 tokens"
+    assert got["output_ids"] == expected["output_ids"]
+    assert got["meta_info"]["finish_reason"] == expected["meta_info"]["finish_reason"]
+    # The EOS must fall inside a round, not only at its end, for this test to mean anything.
+    assert (len(expected["output_ids"]) - 1) % (GAMMA + 1) != 0
+
+
+def test_stop_string_inside_an_accepted_run(spec, plain, long_prompts, tokenizer):
+    prompt = long_prompts[1]
+    reference = greedy(plain, prompt, 48, ignore_eos=True)
+    words = tokenizer.decode(reference["output_ids"]).split()
+    stop = next(word for word in words[3:] if len(word) > 3)
+    got = greedy(spec, prompt, 48, ignore_eos=True, stop=[stop])
+    expected = greedy(plain, prompt, 48, ignore_eos=True, stop=[stop])
+    assert got["text"] == expected["text"]
+    assert got["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+def test_batch_mixing_short_and_long_prompts(spec, plain, long_prompts, tokenizer):
+    short = [tokenizer(text)["input_ids"] for text in ["Hello, my name is", "Water boils at"]]
+    prompts = [short[0], long_prompts[2], short[1], long_prompts[3][:700]]
+    got = concurrently(spec, prompts, 40, ignore_eos=True)
+    expected = concurrently(plain, prompts, 40, ignore_eos=True)
+    for index, (prompt, a, b) in enumerate(zip(prompts, got, expected, strict=True)):
+        assert_same_or_tie(plain, prompt, a["output_ids"], b["output_ids"], f"prompt {index}")
+
+
+def test_long_generation_rolls_the_window(spec, plain, long_prompts):
+    prompt = long_prompts[4][:1024]
+    got = greedy(spec, prompt, 512, ignore_eos=True)
+    expected = greedy(plain, prompt, 512, ignore_eos=True)
+    assert got["meta_info"]["completion_tokens"] == 512
+    assert_same_or_tie(plain, prompt, got["output_ids"], expected["output_ids"], "512 tokens")
+
+
+def test_abort_mid_round_frees_everything(spec, long_prompts):
+    outcome = {}
+
+    def long_request():
+        params = {"max_new_tokens": 4000, "temperature": 0, "ignore_eos": True}
+        payload = {"input_ids": long_prompts[5], "sampling_params": params, "rid": "to-abort"}
+        outcome["result"] = spec.generate(payload)
+
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    time.sleep(4)
+    requests.post(f"{spec.url}/abort_request", json={"rid": "to-abort"}, timeout=30)
+    worker.join(timeout=120)
+    assert not worker.is_alive()
+    meta = outcome["result"]["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort"
+    assert 0 < meta["completion_tokens"] < 4000
+    # The server keeps serving.
+    assert (
+        greedy(spec, long_prompts[0][:100], 8, ignore_eos=True)["meta_info"]["completion_tokens"]
+        == 8
+    )
+
+
+def test_kv_pool_back_to_idle(spec, long_prompts):
+    concurrently(spec, [long_prompts[6], long_prompts[7][:300]], 50, ignore_eos=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        # flush_cache is refused while requests run; it empties the radix cache when idle.
+        flushed = requests.post(f"{spec.url}/flush_cache", timeout=30).status_code == 200
+        load = requests.get(f"{spec.url}/v1/loads", timeout=30).json()["loads"][0]
+        if flushed and load["num_running_reqs"] == 0:
+            break
+        time.sleep(1)
+    assert load["num_used_tokens"] == 0, load
+
+
+def test_server_info_reports_acceptance(spec, long_prompts):
+    greedy(spec, long_prompts[8], 16, ignore_eos=True)
+    state = requests.get(f"{spec.url}/get_server_info", timeout=30).json()["internal_states"][0]
+    info = state["magicdec"]
+    assert info["draft"] == "streaming" and info["gamma"] == GAMMA and info["budget"] == 512
+    assert info["verify_rounds"] > 0
+    assert 1.0 <= info["avg_accept_length"] <= GAMMA + 1
+    assert state["avg_spec_accept_length"] == pytest.approx(info["avg_accept_length"])
