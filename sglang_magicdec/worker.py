@@ -218,7 +218,8 @@ class MagicDecWorker(BaseSpecWorker):
             torch.cat([selected, round_slots[i, : step + 1]])
             for i, selected in enumerate(draft_slots)
         ]
-        kv_indptr = torch.zeros(len(kv_lists) + 1, dtype=torch.int64)
+        # int32 offsets, int64 slots: the dtypes SGLang's triton/flashinfer decode backends use.
+        kv_indptr = torch.zeros(len(kv_lists) + 1, dtype=torch.int32)
         kv_indptr[1:] = torch.tensor([len(slots) for slots in kv_lists]).cumsum(0)
         batch.forward_mode = ForwardMode.DECODE
         batch.input_ids = tokens[:, step].contiguous()
