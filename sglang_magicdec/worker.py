@@ -23,6 +23,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+from sglang.srt.layers.logprob_processor import compute_spec_logprobs
 from sglang.srt.managers.schedule_batch import ScheduleBatch
 from sglang.srt.managers.tp_worker import TpModelWorker
 from sglang.srt.managers.utils import GenerationBatchResult
@@ -166,13 +167,12 @@ class MagicDecWorker(BaseSpecWorker):
 
     def _can_speculate(self, batch: ScheduleBatch) -> bool:
         """Greedy only, for now: anything that changes the target's choice per token (sampling,
-        penalties, logit bias, grammars) or wants logprobs takes a plain decode step."""
+        penalties, logit bias, grammars) takes a plain decode step."""
         info = batch.sampling_info
         penalties = info.penalizer_orchestrator
         return (
             info.is_all_greedy
             and not batch.has_grammar
-            and not batch.return_logprob
             and info.logit_bias is None
             and (penalties is None or not penalties.is_required)
         )
@@ -192,6 +192,11 @@ class MagicDecWorker(BaseSpecWorker):
         agrees = (tokens[:, 1:] == target[:, :-1]).to(torch.int32)
         accept_lens = agrees.cumprod(dim=1).sum(dim=1, dtype=torch.int32) + 1
         self.stats.record(accept_lens)
+        if batch.return_logprob:
+            # Verify row b·(γ+1)+j is the target's distribution of target[b, j].
+            compute_spec_logprobs(
+                batch, verify.logits_output, target.reshape(-1), chain_stride=self.num_draft_tokens
+            )
         new_seq_lens = batch.seq_lens + accept_lens
         if on_publish is not None:
             on_publish(new_seq_lens)
@@ -205,6 +210,11 @@ class MagicDecWorker(BaseSpecWorker):
         self._set_lens(batch, committed + 1)
         batch.spec_info = None
         result = self.target_worker.forward_batch_generation(batch)
+        if batch.return_logprob:
+            # Sampling computed them (its logits are probabilities by now); the scheduler reads a
+            # speculative batch's logprobs as one row per request.
+            output = result.logits_output
+            output.next_token_logprobs = output.next_token_logprobs.view(-1, 1)
         new_seq_lens = committed.to(torch.int32) + 1
         if on_publish is not None:
             on_publish(new_seq_lens)
