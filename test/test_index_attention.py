@@ -30,9 +30,8 @@ def _ragged_case(
             # A contiguous prompt range followed by scattered decode slots, as SGLang allocates.
             prompt = kv_len * 2 // 3
             start = cursor * 3
-            slots = torch.cat([torch.arange(start, start + prompt), free[:0]])
             tail = torch.randperm(pool_slots, generator=gen)[: kv_len - prompt]
-            slots = torch.cat([slots, tail])
+            slots = torch.cat([torch.arange(start, start + prompt), tail])
             cursor += kv_len
         slot_lists.append(slots)
     q = torch.randn(sum(q_lens), num_q_heads, head_dim, generator=gen)
