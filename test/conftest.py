@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from sglang_magicdec.server_process import LAUNCH, ServerProcess, start_server
+from sglang_magicdec.server_process import ServerProcess, start_server
 
 REPO = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(os.environ.get("MAGICDEC_DATA", REPO.parent / "shared" / "data"))
-__all__ = ["LAUNCH", "REPO", "DATA_DIR", "pg19_texts"]
 
 # No model hub at run time: a test that reaches for the network must fail, not hang.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

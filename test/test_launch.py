@@ -4,7 +4,8 @@ import subprocess
 
 import pytest
 
-from test.conftest import LAUNCH, REPO
+from sglang_magicdec.server_process import LAUNCH
+from test.conftest import REPO
 
 
 def _launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
