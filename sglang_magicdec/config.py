@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 ENV_VAR = "SGLANG_MAGICDEC_CONFIG"
 ALGORITHM = "MAGICDEC"
-DRAFTS = ("streaming",)
+DRAFTS = ("streaming", "snapkv")
+POOLS = ("avg", "max")
 DEFAULT_GAMMA = 3
 GROUP_TITLE = "MagicDec"
 GROUP_DESCRIPTION = (
@@ -25,9 +26,18 @@ GROUP_DESCRIPTION = (
 class MagicDecConfig:
     """Every MagicDec knob.
 
-    draft        KV-selection policy of the draft ("streaming": sinks + recent window)
-    budget       draft KV tokens per request for the prompt part, sinks included
-    sinks        attention-sink tokens at the start of the context kept by the draft
+    draft        KV-selection policy of the draft: "streaming" (sinks + recent window) or
+                 "snapkv" (per layer and KV head, the prompt positions the prompt's last
+                 queries attend to most, plus those queries' own window)
+    budget       draft KV tokens per request for the prompt part (sinks or window included)
+    sinks        streaming: attention-sink tokens at the start of the context
+    obs_window   snapkv: the last prompt tokens whose queries score the earlier positions
+    pool         snapkv: "avg" or "max" pooling of the scores along positions
+    pool_kernel  snapkv: pooling width (odd, so a position's neighbourhood is centred)
+    share_min_len  snapkv: a prompt at least this long keeps its summary for later requests
+                 whose prompts extend it (a shared document, system prompt, earlier turns)
+    gamma        "auto": the cost model picks γ ∈ {0..--speculative-num-steps} per batch;
+                 a number N is --speculative-num-steps N; None: fixed γ from SGLang's flag
     min_context  below this many committed tokens the draft reads the whole context, i.e. the
                  request is decoded plainly (its draft is the target itself); None = budget
     debug        check every draft selection against the request's live KV slots (tests)
@@ -36,6 +46,11 @@ class MagicDecConfig:
     draft: str = "streaming"
     budget: int = 512
     sinks: int = 16
+    obs_window: int = 32
+    pool: str = "avg"
+    pool_kernel: int = 5
+    share_min_len: int = 1024
+    gamma: str | None = None
     min_context: int | None = None
     debug: bool = False
 
@@ -51,6 +66,26 @@ class MagicDecConfig:
                 f"--magicdec-budget ({self.budget}) must be larger than --magicdec-sinks "
                 f"({self.sinks}): the draft needs room for recent tokens"
             )
+        if self.obs_window < 1 or self.obs_window >= self.budget:
+            raise ValueError(
+                f"--magicdec-obs-window must be in [1, budget {self.budget}), got {self.obs_window}"
+            )
+        if self.pool not in POOLS:
+            raise ValueError(
+                f"--magicdec-pool must be one of {', '.join(POOLS)}, got {self.pool!r}"
+            )
+        if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
+            raise ValueError(f"--magicdec-pool-kernel must be odd and >= 1, got {self.pool_kernel}")
+        if self.share_min_len < self.obs_window:
+            raise ValueError(
+                f"--magicdec-share-min-len must be >= --magicdec-obs-window ({self.obs_window}), "
+                f"got {self.share_min_len}"
+            )
+        if self.gamma is not None and self.gamma != "auto":
+            if not self.gamma.isdigit() or int(self.gamma) < 1:
+                raise ValueError(
+                    f"--magicdec-gamma must be 'auto' or an integer >= 1, got {self.gamma!r}"
+                )
         if self.min_context is not None and self.min_context < 0:
             raise ValueError(f"--magicdec-min-context must be >= 0, got {self.min_context}")
 
@@ -71,7 +106,7 @@ class MagicDecConfig:
 _FLAGS = {
     "draft": (
         "--magicdec-draft",
-        dict(choices=DRAFTS, help="draft KV selection (default: streaming)"),
+        dict(choices=DRAFTS, help=f"draft KV selection (default: {MagicDecConfig.draft})"),
     ),
     "budget": (
         "--magicdec-budget",
@@ -83,6 +118,36 @@ _FLAGS = {
     "sinks": (
         "--magicdec-sinks",
         dict(type=int, help="attention-sink tokens kept by the draft (default: 16)"),
+    ),
+    "obs_window": (
+        "--magicdec-obs-window",
+        dict(
+            type=int, help="snapkv: last prompt tokens whose queries score the prompt (default: 32)"
+        ),
+    ),
+    "pool": (
+        "--magicdec-pool",
+        dict(choices=POOLS, help="snapkv: pooling of scores along positions (default: avg)"),
+    ),
+    "pool_kernel": (
+        "--magicdec-pool-kernel",
+        dict(type=int, help="snapkv: pooling width, odd (default: 5)"),
+    ),
+    "share_min_len": (
+        "--magicdec-share-min-len",
+        dict(
+            type=int,
+            help="snapkv: prompts at least this long keep one summary, reused by every later "
+            "request whose prompt extends it (default: 1024)",
+        ),
+    ),
+    "gamma": (
+        "--magicdec-gamma",
+        dict(
+            help="'auto': a calibrated cost model picks γ per batch, up to "
+            "--speculative-num-steps (0 = plain decode when speculation does not pay); "
+            "N: the same as --speculative-num-steps N (default: fixed γ)",
+        ),
     ),
     "min_context": (
         "--magicdec-min-context",
@@ -127,4 +192,9 @@ def config_from_args(args: argparse.Namespace) -> MagicDecConfig | None:
     steps = getattr(args, "speculative_num_steps", None)
     if steps is not None and steps < 1:
         raise ValueError(f"--speculative-num-steps (γ) must be >= 1 for {ALGORITHM}, got {steps}")
-    return MagicDecConfig(**given)
+    config = MagicDecConfig(**given)
+    if config.gamma not in (None, "auto") and steps is not None and steps != int(config.gamma):
+        raise ValueError(
+            f"--magicdec-gamma {config.gamma} and --speculative-num-steps {steps} disagree"
+        )
+    return config

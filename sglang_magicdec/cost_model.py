@@ -1,11 +1,16 @@
-"""MagicDec's cost arithmetic: tokens per round Ω(γ, α) and what a measured round says of α.
+"""MagicDec's cost model: tokens per round Ω(γ, α), time per round, and the γ that pays.
 
 With per-token acceptance α (each draft token accepted with probability α given the ones before
 were), a round of γ drafts commits Ω(γ, α) = (1 − α^(γ+1)) / (1 − α) tokens on average, the
-target's own token included.
+target's own token included, and costs γ·T_draft + T_verify(γ) against T_decode per plain step.
+Speculation pays when Ω·T_decode exceeds that; `CostModel` measures the T's online and picks γ
+per batch (`--magicdec-gamma auto`).
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 
 def expected_tokens_per_round(gamma: int, alpha: float) -> float:
@@ -25,3 +30,136 @@ def alpha_from_accept_length(mean_accepted: float, gamma: int) -> float:
         else:
             high = alpha
     return (low + high) / 2
+
+
+def round_time(gamma: int, t_draft: float, t_verify: float) -> float:
+    """Seconds per speculative round: γ draft steps, then one verify pass of γ+1 tokens."""
+    return gamma * t_draft + t_verify
+
+
+@dataclass
+class StepCosts:
+    """Measured seconds of one batch's forwards in a (batch size, context) bucket, as EMAs.
+
+    decode        a plain decode step (γ = 0)
+    draft         one draft step
+    verify_extra  verify time per verified draft token beyond a plain step:
+                  T_verify(γ) = decode + γ · verify_extra
+    """
+
+    decode: float | None = None
+    draft: float | None = None
+    verify_extra: float | None = None
+    plain_rounds_since_speculation: int = 0
+
+    def verify(self, gamma: int) -> float:
+        return self.decode + gamma * self.verify_extra
+
+    @property
+    def calibrated(self) -> bool:
+        return None not in (self.decode, self.draft, self.verify_extra)
+
+
+@dataclass(frozen=True)
+class Decision:
+    gamma: int
+    predicted_speedup: float  # predicted tokens/s at `gamma` over plain decoding's
+    reason: str  # "model", or the calibration step being measured
+
+
+class CostModel:
+    """Picks γ per batch: argmax over γ ∈ {0..γ_max} of predicted tokens/s,
+    Σ_requests Ω(γ, α_r) / (γ·T_draft + T_verify(γ)), against batch / T_decode for γ = 0.
+
+    Step times are measured online by the worker, bucketed by batch size and mean context length
+    (powers of two). A bucket calibrates itself: its first rounds measure a plain step and a γ_max
+    round. While γ = 0 wins, one γ_max round in every `explore_every` plain rounds keeps its
+    speculative costs and the requests' α current. α is estimated per request from its own verify
+    rounds (accepted drafts / tested drafts), starting from `prior_alpha` worth `prior_weight`
+    drafts.
+    """
+
+    def __init__(
+        self,
+        gamma_max: int,
+        smoothing: float = 0.3,
+        prior_alpha: float = 0.7,
+        prior_weight: float = 4.0,
+        explore_every: int = 32,
+    ):
+        self.gamma_max = gamma_max
+        self.smoothing = smoothing
+        self.prior_alpha = prior_alpha
+        self.prior_weight = prior_weight
+        self.explore_every = explore_every
+        self.costs: dict[tuple[int, int], StepCosts] = {}
+        self._drafts: dict[str, tuple[float, float]] = {}  # rid -> (kept, tested)
+        self.last: Decision | None = None
+
+    @staticmethod
+    def bucket(batch_size: int, mean_context: float) -> tuple[int, int]:
+        return (
+            1 << max(0, math.ceil(math.log2(max(batch_size, 1)))),
+            1 << max(0, math.ceil(math.log2(max(mean_context, 1)))),
+        )
+
+    # -- measurements ------------------------------------------------------------------------
+
+    def record_decode(self, bucket: tuple[int, int], seconds: float) -> None:
+        costs = self.costs.setdefault(bucket, StepCosts())
+        costs.decode = self._ema(costs.decode, seconds)
+        costs.plain_rounds_since_speculation += 1
+
+    def record_round(
+        self, bucket: tuple[int, int], gamma: int, draft_seconds: float, verify_seconds: float
+    ) -> None:
+        """A speculative round: mean seconds per draft step, seconds of the verify pass."""
+        costs = self.costs.setdefault(bucket, StepCosts())
+        costs.draft = self._ema(costs.draft, draft_seconds)
+        if costs.decode is not None:
+            extra = max(0.0, verify_seconds - costs.decode) / gamma
+            costs.verify_extra = self._ema(costs.verify_extra, extra)
+        costs.plain_rounds_since_speculation = 0
+
+    def record_acceptance(self, rids: list[str], accept_lens: list[int], gamma: int) -> None:
+        for rid, accepted in zip(rids, accept_lens, strict=True):
+            kept = accepted - 1
+            tested = kept + (1 if kept < gamma else 0)  # drafts after a rejection are untested
+            old_kept, old_tested = self._drafts.get(rid, (0.0, 0.0))
+            self._drafts[rid] = (old_kept + kept, old_tested + tested)
+
+    def forget(self, rid: str) -> None:
+        self._drafts.pop(rid, None)
+
+    def alpha(self, rid: str) -> float:
+        kept, tested = self._drafts.get(rid, (0.0, 0.0))
+        return (kept + self.prior_alpha * self.prior_weight) / (tested + self.prior_weight)
+
+    # -- the decision ------------------------------------------------------------------------
+
+    def choose(self, rids: list[str], mean_context: float) -> Decision:
+        bucket = self.bucket(len(rids), mean_context)
+        costs = self.costs.get(bucket) or StepCosts()
+        if costs.decode is None:
+            decision = Decision(0, 1.0, "calibrating plain step")
+        elif not costs.calibrated:
+            decision = Decision(self.gamma_max, 1.0, "calibrating speculation")
+        else:
+            decision = self.best(costs, [self.alpha(rid) for rid in rids])
+            if decision.gamma == 0 and costs.plain_rounds_since_speculation >= self.explore_every:
+                decision = Decision(self.gamma_max, decision.predicted_speedup, "exploring")
+        self.last = decision
+        return decision
+
+    def best(self, costs: StepCosts, alphas: list[float]) -> Decision:
+        plain_rate = len(alphas) / costs.decode
+        best_gamma, best_rate = 0, plain_rate
+        for gamma in range(1, self.gamma_max + 1):
+            tokens = sum(expected_tokens_per_round(gamma, alpha) for alpha in alphas)
+            rate = tokens / round_time(gamma, costs.draft, costs.verify(gamma))
+            if rate > best_rate:
+                best_gamma, best_rate = gamma, rate
+        return Decision(best_gamma, best_rate / plain_rate, "model")
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new

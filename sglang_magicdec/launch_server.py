@@ -69,6 +69,8 @@ def prepare(argv: list[str]):
         except EmbeddedModelError as exc:
             raise LaunchError(str(exc)) from None
     if config is not None:
+        if config.gamma not in (None, "auto") and args.speculative_num_steps is None:
+            sglang_argv += ["--speculative-num-steps", config.gamma]
         config.to_env()
     try:
         server_args = prepare_server_args(sglang_argv)

@@ -20,6 +20,8 @@ def load() -> None:
     register_attention_backend(ATTENTION_BACKEND)(create_backend)
     spec_algo.register()
     HookRegistry.register(INTERNAL_STATE_SPECULATIVE, add_server_info, HookType.AFTER)
+    for method, hook in RADIX_CACHE_HOOKS.items():
+        HookRegistry.register(f"{RADIX_CACHE}.{method}", hook, HookType.AFTER)
     if is_active():
         from sglang_magicdec.platforms import torch_ops
 
@@ -43,6 +45,40 @@ def add_server_info(result, controller, state: dict, *args, **kwargs):
         if info["verify_rounds"]:
             state["avg_spec_accept_length"] = info["avg_accept_length"]
     return result
+
+
+# SnapKV summaries live beside the radix cache and follow its requests and evictions. SGLang
+# documents `on_release` as the place to "drop per-request state kept outside the tree"; eviction
+# (all paths go through `_evict`) and `reset` (flush_cache) have no public seam, so they are
+# hooked directly.
+RADIX_CACHE = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
+
+
+def _request_released(result, cache, req, *args, **kwargs):
+    from sglang_magicdec import summaries
+
+    if summaries.ACTIVE is not None:
+        summaries.ACTIVE.request_released(req.rid)
+    return result
+
+
+def _kv_evicted(result, *args, **kwargs):
+    from sglang_magicdec import summaries
+
+    if summaries.ACTIVE is not None:
+        summaries.ACTIVE.kv_freed()
+    return result
+
+
+def _cache_reset(result, *args, **kwargs):
+    from sglang_magicdec import summaries
+
+    if summaries.ACTIVE is not None:
+        summaries.ACTIVE.cache_reset()
+    return result
+
+
+RADIX_CACHE_HOOKS = {"on_release": _request_released, "_evict": _kv_evicted, "reset": _cache_reset}
 
 
 def _register_cpu_defaults() -> None:

@@ -2,7 +2,12 @@
 
 import pytest
 
-from sglang_magicdec.cost_model import alpha_from_accept_length, expected_tokens_per_round
+from sglang_magicdec.cost_model import (
+    CostModel,
+    StepCosts,
+    alpha_from_accept_length,
+    expected_tokens_per_round,
+)
 
 
 @pytest.mark.parametrize("gamma", [1, 3, 6])
@@ -20,3 +25,70 @@ def test_closed_form():
 def test_rejects_impossible_means():
     with pytest.raises(ValueError):
         alpha_from_accept_length(5.5, 3)
+
+
+# Synthetic step costs shaped like the paper's: reading weights (W) once per step, reading KV
+# (per token of context, per request), and little extra per verified token.
+WEIGHTS_S, KV_S_PER_TOKEN, VERIFY_S_PER_TOKEN, BUDGET = 10e-3, 2e-6, 0.4e-3, 512
+
+
+def synthetic_costs(batch: int, context: int, draft_weights_s: float = WEIGHTS_S) -> StepCosts:
+    return StepCosts(
+        decode=WEIGHTS_S + batch * context * KV_S_PER_TOKEN,
+        draft=draft_weights_s + batch * BUDGET * KV_S_PER_TOKEN,
+        verify_extra=VERIFY_S_PER_TOKEN * batch,
+    )
+
+
+def test_picks_plain_decoding_when_drafting_costs_a_full_step():
+    model = CostModel(gamma_max=6)
+    costs = StepCosts(decode=10e-3, draft=10e-3, verify_extra=1e-3)
+    assert model.best(costs, [0.8] * 4).gamma == 0
+
+
+def test_gamma_grows_with_context_and_batch():
+    """At long context a step is dominated by the KV read; the draft reads `BUDGET` tokens
+    instead, so speculation pays more (longer γ) as context and batch grow."""
+    model = CostModel(gamma_max=8)
+    by_context = [model.best(synthetic_costs(8, c), [0.8] * 8).gamma for c in (512, 4096, 32768)]
+    assert by_context == sorted(by_context) and by_context[0] < by_context[-1], by_context
+    by_batch = [model.best(synthetic_costs(b, 32768), [0.8] * b).gamma for b in (1, 8, 64)]
+    assert by_batch == sorted(by_batch) and by_batch[0] < by_batch[-1], by_batch
+    assert model.best(synthetic_costs(1, 512), [0.8]).gamma == 0  # short context: no speculation
+
+
+def test_predicted_speedup_matches_the_formula():
+    model = CostModel(gamma_max=3)
+    costs = StepCosts(decode=0.1, draft=0.02, verify_extra=0.01)
+    decision = model.best(costs, [0.9, 0.9])
+    gamma = decision.gamma
+    expected = (2 * expected_tokens_per_round(gamma, 0.9) / (gamma * 0.02 + 0.1 + gamma * 0.01)) / (
+        2 / 0.1
+    )
+    assert decision.predicted_speedup == pytest.approx(expected)
+
+
+def test_calibrates_then_decides_and_explores():
+    model = CostModel(gamma_max=3, explore_every=2)
+    rids = ["a", "b"]
+    assert model.choose(rids, 1000).reason == "calibrating plain step"
+    bucket = CostModel.bucket(2, 1000)
+    model.record_decode(bucket, 0.01)
+    assert model.choose(rids, 1000).gamma == 3  # calibrating speculation
+    model.record_round(bucket, 3, draft_seconds=0.01, verify_seconds=0.012)
+    model.record_acceptance(rids, [4, 1], gamma=3)
+    decision = model.choose(rids, 1000)
+    assert (decision.gamma, decision.reason) == (0, "model")  # a draft step costs a plain step
+    model.record_decode(bucket, 0.01)
+    model.record_decode(bucket, 0.01)
+    assert model.choose(rids, 1000).reason == "exploring"
+
+
+def test_alpha_per_request_from_its_rounds():
+    model = CostModel(gamma_max=3, prior_alpha=0.5, prior_weight=2)
+    assert model.alpha("new") == 0.5
+    model.record_acceptance(["r"], [4], gamma=3)  # 3 kept of 3 tested
+    model.record_acceptance(["r"], [2], gamma=3)  # 1 kept, then a rejection: 2 tested
+    assert model.alpha("r") == pytest.approx((4 + 1) / (5 + 2))
+    model.forget("r")
+    assert model.alpha("r") == 0.5

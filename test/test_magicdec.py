@@ -8,36 +8,26 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
 
-from sglang_magicdec.cost_model import alpha_from_accept_length
-from test.conftest import pg19_texts
+from test.conftest import (
+    GAMMA,
+    assert_same_or_tie,
+    greedy,
+    measured_alpha,
+    pg19_texts,
+    run_concurrently,
+)
 
-GAMMA = 3
 # The reference per-token acceptance of StreamingLLM at budget 512 (DESIGN.md §4).
 REFERENCE_ALPHA_STREAMING_512 = 0.84
-TIE_GAP = 1e-4
-POOL_ARGS = ("--dtype", "float32", "--max-total-tokens", "60000")
 
 
 @pytest.fixture(scope="module")
-def spec(server_factory):
-    return server_factory(
-        *POOL_ARGS,
-        "--speculative-algorithm",
-        "MAGICDEC",
-        "--speculative-num-steps",
-        str(GAMMA),
-        "--magicdec-debug",
-    )
-
-
-@pytest.fixture(scope="module")
-def plain(server_factory):
-    return server_factory(*POOL_ARGS)
+def spec(streaming):
+    return streaming
 
 
 @pytest.fixture(scope="module")
@@ -45,47 +35,9 @@ def long_prompts(tokenizer):
     return [tokenizer(text)["input_ids"][:2048] for text in pg19_texts("4K", count=10)]
 
 
-def greedy(server, input_ids, max_new_tokens, **params) -> dict:
-    sampling = {"max_new_tokens": max_new_tokens, "temperature": 0, **params}
-    return server.generate({"input_ids": input_ids, "sampling_params": sampling})
-
-
-def concurrently(server, prompts, max_new_tokens, **params) -> list[dict]:
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(lambda ids: greedy(server, ids, max_new_tokens, **params), prompts))
-
-
-def top2_gap(server, context: list[int]) -> float:
-    """Logit gap between the two most likely next tokens (logprob gap: same normaliser)."""
-    result = server.generate(
-        {
-            "input_ids": context,
-            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
-            "return_logprob": True,
-            "top_logprobs_num": 2,
-            "logprob_start_len": len(context) - 1,
-        }
-    )
-    (first, _, _), (second, _, _) = result["meta_info"]["output_top_logprobs"][0][:2]
-    return first - second
-
-
-def assert_same_or_tie(plain, prompt, got, expected, label):
-    """Outputs must match; a divergence is allowed only at a numerical tie of the target."""
-    diverge = next((i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), None)
-    if diverge is None:
-        assert len(got) == len(expected), f"{label}: lengths {len(got)} != {len(expected)}"
-        return
-    gap = top2_gap(plain, prompt + expected[:diverge])
-    assert gap < TIE_GAP, (
-        f"{label}: diverged at token {diverge} where the target's top-2 gap is {gap:.3g} "
-        f"(not a tie): got {got[diverge]}, expected {expected[diverge]}"
-    )
-
-
 def test_greedy_identical_to_autoregressive_in_one_ragged_batch(spec, plain, long_prompts):
-    spec_results = concurrently(spec, long_prompts, 64, ignore_eos=True)
-    plain_results = concurrently(plain, long_prompts, 64, ignore_eos=True)
+    spec_results = run_concurrently(spec, long_prompts, 64, ignore_eos=True)
+    plain_results = run_concurrently(plain, long_prompts, 64, ignore_eos=True)
     for index, (prompt, got, expected) in enumerate(
         zip(long_prompts, spec_results, plain_results, strict=True)
     ):
@@ -97,14 +49,10 @@ def test_greedy_identical_to_autoregressive_in_one_ragged_batch(spec, plain, lon
     assert all(r["meta_info"]["spec_verify_ct"] > 0 for r in spec_results)
 
 
-def test_streaming_acceptance_matches_reference(spec, tokenizer):
+def test_streaming_acceptance_matches_reference(streaming_pg19_run):
     """PG-19 4K, first 6 documents cut to 16,000 characters, 64 tokens, budget 512."""
-    prompts = [tokenizer(text[:16000])["input_ids"] for text in pg19_texts("4K", count=6)]
-    results = concurrently(spec, prompts, 64, ignore_eos=True)
-    rounds = sum(r["meta_info"]["spec_verify_ct"] for r in results)
-    correct = sum(r["meta_info"]["spec_num_correct_drafts"] for r in results)
-    alpha = alpha_from_accept_length(1 + correct / rounds, GAMMA)
-    print(f"streaming, budget 512: {rounds} rounds, {correct} drafts accepted, α = {alpha:.3f}")
+    alpha = measured_alpha(streaming_pg19_run)
+    print(f"streaming, budget 512: α = {alpha:.3f}")
     assert abs(alpha - REFERENCE_ALPHA_STREAMING_512) <= 0.03, f"α = {alpha:.3f}"
 
 
@@ -142,8 +90,8 @@ def test_stop_string_inside_an_accepted_run(spec, plain, long_prompts, tokenizer
 def test_batch_mixing_short_and_long_prompts(spec, plain, long_prompts, tokenizer):
     short = [tokenizer(text)["input_ids"] for text in ["Hello, my name is", "Water boils at"]]
     prompts = [short[0], long_prompts[2], short[1], long_prompts[3][:700]]
-    got = concurrently(spec, prompts, 40, ignore_eos=True)
-    expected = concurrently(plain, prompts, 40, ignore_eos=True)
+    got = run_concurrently(spec, prompts, 40, ignore_eos=True)
+    expected = run_concurrently(plain, prompts, 40, ignore_eos=True)
     for index, (prompt, a, b) in enumerate(zip(prompts, got, expected, strict=True)):
         assert_same_or_tie(plain, prompt, a["output_ids"], b["output_ids"], f"prompt {index}")
 
@@ -181,7 +129,7 @@ def test_abort_mid_round_frees_everything(spec, long_prompts):
 
 
 def test_kv_pool_back_to_idle(spec, long_prompts):
-    concurrently(spec, [long_prompts[6], long_prompts[7][:300]], 50, ignore_eos=True)
+    run_concurrently(spec, [long_prompts[6], long_prompts[7][:300]], 50, ignore_eos=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         # flush_cache is refused while requests run; it empties the radix cache when idle.

@@ -1,0 +1,60 @@
+"""What the benchmark scripts share: data paths, the tokenizer, concurrent requests, α, plots."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from sglang_magicdec.cost_model import alpha_from_accept_length
+from sglang_magicdec.server_process import ServerProcess
+
+DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def load_tokenizer():
+    from transformers import AutoTokenizer
+
+    from sglang_magicdec.model import embedded_model_path
+
+    return AutoTokenizer.from_pretrained(embedded_model_path())
+
+
+def run_batch(server: ServerProcess, prompts: list[list[int]], new_tokens: int) -> list[dict]:
+    """Greedy, all prompts at once (one ragged batch on the server)."""
+    params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(
+            pool.map(
+                lambda ids: server.generate({"input_ids": ids, "sampling_params": params}), prompts
+            )
+        )
+
+
+def alpha_of(results: list[dict], gamma: int) -> float:
+    """Per-token acceptance implied by the mean tokens per verify round of these requests."""
+    rounds = sum(r["meta_info"].get("spec_verify_ct", 0) for r in results)
+    correct = sum(r["meta_info"].get("spec_num_correct_drafts", 0) for r in results)
+    return alpha_from_accept_length(1 + correct / rounds, gamma) if rounds else float("nan")
+
+
+def save_plot(
+    path: Path, series: dict[str, tuple[list, list]], x_label: str, y_label: str, log_x=False
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for label, (xs, ys) in series.items():
+        axes.plot(xs, ys, marker="o", label=label)
+    if log_x:
+        axes.set_xscale("log", base=2)
+    axes.set_xlabel(x_label)
+    axes.set_ylabel(y_label)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

@@ -1,0 +1,78 @@
+"""Capture the SnapKV observation window's queries while SGLang prefills a prompt.
+
+SnapKV scores a prompt with the queries of its last `obs_window` tokens, which exist only inside
+the prefill forward. A forward pre-hook on every `RadixAttention` layer (works with any attention
+backend) copies those rows of `q` (RoPE applied, exactly what attention sees) for the requests
+being summarised. With chunked prefill the window may straddle chunks: rows accumulate per request
+until all `obs_window` are in, and scoring runs after that forward, when the pool holds the KV of
+the whole prompt in every layer, so chunked and one-shot prefill select the same positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from sglang.srt.layers.radix_attention import RadixAttention
+
+
+@dataclass
+class PendingWindow:
+    """Window queries of one prompt, filled in as its prefill chunks run."""
+
+    prompt_len: int
+    obs_window: int
+    queries: dict[int, torch.Tensor] = field(default_factory=dict)  # layer id -> [W, Hq, D]
+    captured: set[int] = field(default_factory=set)  # window rows seen (by every layer)
+
+    @property
+    def window_start(self) -> int:
+        return self.prompt_len - self.obs_window
+
+    @property
+    def complete(self) -> bool:
+        return len(self.captured) == self.obs_window
+
+
+class WindowObserver:
+    """Hooks the model's attention layers; inactive (one attribute check) outside `observe`."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.layers = [m for m in model.modules() if isinstance(m, RadixAttention)]
+        self.pending: dict[str, PendingWindow] = {}
+        # For the forward in flight: (pending window, batch rows, window rows) per request.
+        self._targets: list[tuple[PendingWindow, slice, slice]] = []
+        for layer in self.layers:
+            layer.register_forward_pre_hook(self._capture, with_kwargs=True)
+
+    def observe(self, rids: list[str], prefix_lens: list[int], extend_lens: list[int]) -> None:
+        """Arm the hooks for the next extend forward: capture the window rows of the pending
+        requests among `rids` (the batch's requests, tokens back to back)."""
+        self._targets = []
+        row = 0
+        for rid, prefix_len, extend_len in zip(rids, prefix_lens, extend_lens, strict=True):
+            pending = self.pending.get(rid)
+            if pending is not None:
+                first = max(prefix_len, pending.window_start)
+                last = min(prefix_len + extend_len, pending.prompt_len)
+                if first < last:
+                    batch_rows = slice(row + first - prefix_len, row + last - prefix_len)
+                    window_rows = slice(first - pending.window_start, last - pending.window_start)
+                    self._targets.append((pending, batch_rows, window_rows))
+                    pending.captured.update(range(window_rows.start, window_rows.stop))
+            row += extend_len
+
+    def disarm(self) -> None:
+        self._targets = []
+
+    def _capture(self, layer: RadixAttention, args: tuple, kwargs: dict) -> None:
+        if not self._targets:
+            return
+        q = args[0] if args else kwargs["q"]
+        q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        for pending, batch_rows, window_rows in self._targets:
+            queries = pending.queries.get(layer.layer_id)
+            if queries is None:
+                queries = q.new_zeros(pending.obs_window, *q.shape[1:])
+                pending.queries[layer.layer_id] = queries
+            queries[window_rows] = q[batch_rows]

@@ -1,0 +1,86 @@
+"""Exact speculative sampling for a chain draft (Leviathan et al., 2023; Chen et al., 2023).
+
+Draft token x_j, drawn from the draft's distribution q_j, is kept with probability
+min(1, p_j(x_j) / q_j(x_j)), p_j being the target's; at the first rejection the round ends with a
+token drawn from the normalised positive part of p_j − q_j; when all γ are kept, a bonus token is
+drawn from p_{γ+1}. Every committed token is then distributed exactly as the target samples it.
+p and q are both taken after SGLang's sampling transforms (temperature, then top-k, top-p and
+min-p as `top_k_top_p_min_p_sampling_from_probs_torch` applies them), so "the target" means the
+request's own sampling parameters. Greedy rows (SGLang stores temperature 0 as top-k 1) are
+one-hot, for which this reduces to greedy acceptance.
+
+All randomness comes in as uniforms, so a caller can draw them from per-request seeded
+generators (reproducible outputs) and tests can drive the sampler exactly. SGLang's own chain
+sampling is a CUDA kernel (sgl_kernel); this is the torch version, used on every platform.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sampling_probs(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+    min_ps: torch.Tensor,
+) -> torch.Tensor:
+    """[N, V] logits → [N, V] normalised float32 probabilities after the sampling transforms.
+    Parameters are per row ([N] or [N, 1])."""
+    probs = torch.softmax(logits.float() / temperatures.view(-1, 1).float(), dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(probs.shape[-1], device=probs.device)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    dropped = (rank[None, :] >= top_ks.view(-1, 1)) | (mass_before > top_ps.view(-1, 1))
+    dropped |= sorted_probs < sorted_probs[:, :1] * min_ps.view(-1, 1)
+    sorted_probs = sorted_probs.masked_fill(dropped, 0.0)
+    filtered = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return filtered / filtered.sum(dim=-1, keepdim=True)
+
+
+def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw of one token per row: [N, V] probabilities, [N] uniforms in [0, 1)."""
+    cdf = probs.cumsum(dim=-1)
+    target = uniforms.to(cdf.dtype)[:, None] * cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, target, right=True)[:, 0]
+    # Never land on a zero-probability token through rounding at the top of the CDF.
+    last_nonzero = probs.shape[-1] - 1 - (probs.flip(-1) > 0).to(torch.int64).argmax(dim=-1)
+    return torch.minimum(tokens, last_nonzero)
+
+
+def chain_rejection_sample(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    accept_uniforms: torch.Tensor,
+    final_uniforms: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify a chain of γ drafts per row.
+
+    draft_tokens     [B, γ]        x_1..x_γ, drawn from draft_probs
+    draft_probs      [B, γ, V]     q_1..q_γ
+    target_probs     [B, γ+1, V]   p_1..p_{γ+1} (p_j conditioned on x_<j)
+    accept_uniforms  [B, γ]        u_j: x_j is kept iff u_j · q_j(x_j) < p_j(x_j)
+    final_uniforms   [B]           the draw of the residual or bonus token
+
+    Returns (tokens [B, γ+1], accept_lens [B]): row b commits tokens[b, :accept_lens[b]] (the
+    kept drafts, then the residual or bonus token); the rest of the row is padding.
+    """
+    batch, gamma = draft_tokens.shape
+    rows = torch.arange(batch, device=draft_tokens.device)
+    p_of_draft = target_probs[:, :gamma].gather(-1, draft_tokens[..., None])[..., 0]
+    q_of_draft = draft_probs.gather(-1, draft_tokens[..., None])[..., 0]
+    kept = accept_uniforms.to(q_of_draft.dtype) * q_of_draft < p_of_draft
+    num_kept = kept.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B] in 0..γ
+    # The position after the kept drafts: a residual (rejection) or the bonus distribution.
+    p_next = target_probs[rows, num_kept]
+    q_next = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)[rows, num_kept]
+    residual = (p_next - q_next).clamp_min(0.0)
+    mass = residual.sum(dim=-1, keepdim=True)
+    # p == q on a rejected row (possible only through rounding): p itself is the right law.
+    final = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_next)
+    last = sample_from(final, final_uniforms)
+    tokens = torch.cat([draft_tokens, torch.zeros_like(draft_tokens[:, :1])], dim=1)
+    tokens[rows, num_kept] = last
+    return tokens, (num_kept + 1).to(torch.int32)

@@ -1,0 +1,91 @@
+"""The rejection sampler against the exact laws it must produce, on random small distributions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_magicdec.sampling import chain_rejection_sample, sample_from, sampling_probs
+
+SAMPLES = 400_000
+# 5 standard deviations of a frequency estimated from SAMPLES draws (p(1-p) <= 1/4).
+TOLERANCE = 5 * (0.25 / SAMPLES) ** 0.5
+
+
+def random_distribution(generator, vocab: int, sharpness: float = 1.5) -> torch.Tensor:
+    probs = torch.softmax(torch.randn(vocab, generator=generator) * sharpness, dim=0)
+    probs[torch.randint(vocab, (1,), generator=generator)] = 0.0  # a token one side never draws
+    return probs / probs.sum()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_committed_tokens_follow_the_target(seed):
+    """First committed token ~ p_1 exactly; given the first draft was kept, the second ~ p_2;
+    acceptance rate of the first draft = Σ min(p_1, q_1)."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab, gamma = 6, 2
+    q = torch.stack([random_distribution(generator, vocab) for _ in range(gamma)])
+    p = torch.stack([random_distribution(generator, vocab) for _ in range(gamma + 1)])
+    draft_tokens = torch.stack(
+        [torch.multinomial(q[j], SAMPLES, replacement=True, generator=generator) for j in range(2)],
+        dim=1,
+    )
+    tokens, accept_lens = chain_rejection_sample(
+        draft_tokens,
+        q.expand(SAMPLES, -1, -1),
+        p.expand(SAMPLES, -1, -1),
+        torch.rand(SAMPLES, gamma, generator=generator),
+        torch.rand(SAMPLES, generator=generator),
+    )
+    first = torch.bincount(tokens[:, 0], minlength=vocab).float() / SAMPLES
+    assert torch.allclose(first, p[0], atol=TOLERANCE), (first, p[0])
+    first_kept = accept_lens >= 2
+    assert first_kept.float().mean().item() == pytest.approx(
+        torch.minimum(p[0], q[0]).sum().item(), abs=TOLERANCE
+    )
+    second = torch.bincount(tokens[first_kept, 1], minlength=vocab).float() / first_kept.sum()
+    assert torch.allclose(second, p[1], atol=3 * TOLERANCE), (second, p[1])
+    # The bonus token after two kept drafts ~ p_3.
+    all_kept = accept_lens == 3
+    bonus = torch.bincount(tokens[all_kept, 2], minlength=vocab).float() / all_kept.sum()
+    assert torch.allclose(bonus, p[2], atol=6 * TOLERANCE), (bonus, p[2])
+
+
+def test_greedy_rows_accept_exactly_the_argmax():
+    vocab = 5
+    target = torch.nn.functional.one_hot(torch.tensor([[1, 3, 4], [2, 2, 0]]), vocab).float()
+    draft = torch.nn.functional.one_hot(torch.tensor([[1, 0], [2, 2]]), vocab).float()
+    tokens, accept_lens = chain_rejection_sample(
+        torch.tensor([[1, 0], [2, 2]]), draft, target, torch.rand(2, 2), torch.rand(2)
+    )
+    assert accept_lens.tolist() == [2, 3]
+    assert tokens[0, :2].tolist() == [1, 3] and tokens[1].tolist() == [2, 2, 0]
+
+
+def test_sampling_probs_transforms():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 4))
+    probs = sampling_probs(
+        logits,
+        temperatures=torch.tensor([1.0, 1.0, 1.0, 1.0]),
+        top_ks=torch.tensor([4, 2, 4, 1]),
+        top_ps=torch.tensor([1.0, 1.0, 0.7, 1.0]),
+        min_ps=torch.tensor([0.0, 0.0, 0.0, 0.0]),
+    )
+    assert torch.allclose(probs[0], torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    assert torch.allclose(probs[1], torch.tensor([0.625, 0.375, 0, 0]))
+    # top-p 0.7: tokens whose preceding mass is <= 0.7 stay (SGLang's rule): 0.5, 0.3.
+    assert torch.allclose(probs[2], torch.tensor([0.625, 0.375, 0, 0]))
+    assert torch.allclose(probs[3], torch.tensor([1.0, 0, 0, 0]))
+    min_p = sampling_probs(
+        logits[:1], torch.tensor([1.0]), torch.tensor([4]), torch.tensor([1.0]), torch.tensor([0.5])
+    )
+    assert torch.allclose(min_p[0], torch.tensor([0.625, 0.375, 0, 0]))
+    hot = sampling_probs(
+        logits[:1], torch.tensor([0.5]), torch.tensor([4]), torch.tensor([1.0]), torch.tensor([0.0])
+    )
+    assert torch.allclose(hot[0], torch.softmax(logits[0] / 0.5, dim=0))
+
+
+def test_sample_from_inverse_cdf():
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75]] * 3)
+    assert sample_from(probs, torch.tensor([0.0, 0.3, 0.9999999])).tolist() == [1, 3, 3]

@@ -1,0 +1,110 @@
+"""Rejection sampling and γ = auto inside the real SGLang server on CPU."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import requests
+from scipy.stats import chi2
+
+from test.conftest import POOL_ARGS, pg19_texts, run_concurrently
+
+SAMPLES = 2000
+CHUNK = 250  # requests per /generate call (a list of prompts)
+MIN_P_VALUE = 1e-3
+
+
+@pytest.fixture(scope="module")
+def sampler(server_factory):
+    """A draft far from the target (32 of ~150 tokens), so drafts are really rejected."""
+    return server_factory(
+        *POOL_ARGS,
+        "--speculative-algorithm",
+        "MAGICDEC",
+        "--speculative-num-steps",
+        "3",
+        "--magicdec-draft",
+        "streaming",
+        "--magicdec-budget",
+        "32",
+        "--magicdec-sinks",
+        "4",
+        "--magicdec-min-context",
+        "0",
+    )
+
+
+@pytest.fixture(scope="module")
+def prompt(tokenizer):
+    return tokenizer(pg19_texts("4K", count=1)[0])["input_ids"][:150]
+
+
+def sample_tokens(server, prompt, count, **params) -> list[dict]:
+    sampling = {"max_new_tokens": 2, "ignore_eos": True, **params}
+    results = []
+    for _ in range(count // CHUNK):
+        payload = {"input_ids": [prompt] * CHUNK, "sampling_params": sampling}
+        results += server.generate(payload)
+    return results
+
+
+def homogeneity_p_value(first: Counter, second: Counter, min_expected: float = 5.0) -> float:
+    """Chi-square test that two samples come from one distribution (rare tokens pooled)."""
+    total_first, total_second = sum(first.values()), sum(second.values())
+    combined = first + second
+    scale = (total_first + total_second) / min(total_first, total_second)
+    common = [t for t, n in combined.items() if n >= min_expected * scale]
+    cells = [(first[t], second[t]) for t in common]
+    cells.append((total_first - sum(a for a, _ in cells), total_second - sum(b for _, b in cells)))
+    statistic = 0.0
+    for a, b in cells:
+        row = a + b
+        for observed, total in ((a, total_first), (b, total_second)):
+            expected = row * total / (total_first + total_second)
+            statistic += (observed - expected) ** 2 / expected if expected else 0.0
+    return float(chi2.sf(statistic, df=len(cells) - 1))
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.7, 1.0), (1.0, 0.9)])
+def test_first_speculated_token_follows_the_target(sampler, plain, prompt, temperature, top_p):
+    """Output token 0 comes from prefill; token 1 is the first speculation verified. Its
+    distribution over 2,000 samples must match the server without speculation."""
+    params = {"temperature": temperature, "top_p": top_p}
+    spec = sample_tokens(sampler, prompt, SAMPLES, **params)
+    reference = sample_tokens(plain, prompt, SAMPLES, **params)
+    assert sum(r["meta_info"]["spec_verify_ct"] for r in spec) >= SAMPLES
+    drafted = 3 * sum(r["meta_info"]["spec_verify_ct"] for r in spec)
+    correct = sum(r["meta_info"]["spec_num_correct_drafts"] for r in spec)
+    assert 0 < correct < drafted, "drafts should be both kept and rejected"
+    for position in (0, 1):
+        got = Counter(r["output_ids"][position] for r in spec)
+        expected = Counter(r["output_ids"][position] for r in reference)
+        p_value = homogeneity_p_value(got, expected)
+        print(f"T={temperature} top_p={top_p} token {position}: p = {p_value:.3g}")
+        assert p_value > MIN_P_VALUE, (position, got.most_common(5), expected.most_common(5))
+
+
+def test_sampling_seed_reproduces_outputs(sampler, prompt):
+    def run(seed):
+        params = {"max_new_tokens": 24, "temperature": 1.0, "sampling_seed": seed}
+        return sampler.generate({"input_ids": prompt, "sampling_params": params})
+
+    first, again, other = run(1234), run(1234), run(4321)
+    assert first["meta_info"]["spec_verify_ct"] > 0
+    assert first["output_ids"] == again["output_ids"]
+    assert first["output_ids"] != other["output_ids"]
+
+
+def test_auto_gamma_speculates_at_long_context_and_batch_8(server_factory, tokenizer):
+    auto = server_factory(
+        *POOL_ARGS, "--speculative-algorithm", "MAGICDEC", "--magicdec-gamma", "auto"
+    )
+    prompts = [tokenizer(text)["input_ids"][:4000] for text in pg19_texts("8K", count=8)]
+    results = run_concurrently(auto, prompts, 96, ignore_eos=True)
+    state = requests.get(f"{auto.url}/get_server_info", timeout=30).json()
+    info = state["internal_states"][0]["magicdec"]
+    print(f"auto at batch 8, 4K context: {info}")
+    assert info["gamma_mode"] == "auto"
+    assert all(r["meta_info"]["completion_tokens"] == 96 for r in results)
+    assert info["current_gamma"] >= 1, info

@@ -1,0 +1,203 @@
+"""The SnapKV draft inside the real SGLang server on CPU: exactness, acceptance against the
+streaming draft, chunked prefill, radix-shared summaries through frontend programs, and KV
+pressure (eviction, retraction, aborts) with every selection checked in debug mode."""
+
+from __future__ import annotations
+
+import random
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from test.conftest import (
+    POOL_ARGS,
+    REPO,
+    assert_same_or_tie,
+    greedy,
+    measured_alpha,
+    pg19_acceptance_prompts,
+    pg19_texts,
+    run_concurrently,
+)
+
+sys.path.insert(0, str(REPO / "python"))
+import agent_loop  # noqa: E402  (the frontend programs live in python/, not a package)
+import shared_doc_qa  # noqa: E402
+
+SNAPKV = ("--speculative-algorithm", "MAGICDEC", "--magicdec-draft", "snapkv")
+MIN_ALPHA_GAIN = 0.02  # the SnapKV paper's claim over StreamingLLM at equal budget
+
+
+@pytest.fixture(scope="module")
+def snap(server_factory):
+    return server_factory(*POOL_ARGS, *SNAPKV, "--magicdec-debug")
+
+
+@pytest.fixture(scope="module")
+def long_prompts(tokenizer):
+    return [tokenizer(text)["input_ids"][:2048] for text in pg19_texts("4K", count=4)]
+
+
+def magicdec_info(server) -> dict:
+    state = requests.get(f"{server.url}/get_server_info", timeout=30).json()
+    return state["internal_states"][0]["magicdec"]
+
+
+def summary_of(result: dict) -> dict:
+    return result["meta_info"]["magicdec_summary"][0]
+
+
+def test_greedy_identical_to_autoregressive(snap, plain, long_prompts):
+    got = run_concurrently(snap, long_prompts[:3], 48, ignore_eos=True)
+    expected = run_concurrently(plain, long_prompts[:3], 48, ignore_eos=True)
+    for index, (prompt, a, b) in enumerate(zip(long_prompts, got, expected, strict=False)):
+        assert summary_of(a)["status"] == "computed"
+        assert_same_or_tie(plain, prompt, a["output_ids"], b["output_ids"], f"prompt {index}")
+
+
+def test_snapkv_accepts_more_than_streaming(snap, streaming_pg19_run, tokenizer):
+    """PG-19 4K (6 documents, ~3.7K tokens), budget 512, 64 tokens: α of both drafts."""
+    snap_run = run_concurrently(snap, pg19_acceptance_prompts(tokenizer), 64, ignore_eos=True)
+    alpha_snap, alpha_streaming = measured_alpha(snap_run), measured_alpha(streaming_pg19_run)
+    print(f"budget 512: α snapkv = {alpha_snap:.3f}, α streaming = {alpha_streaming:.3f}")
+    assert alpha_snap >= alpha_streaming + MIN_ALPHA_GAIN, (
+        f"α snapkv {alpha_snap:.3f} vs streaming {alpha_streaming:.3f}"
+    )
+
+
+def test_chunked_prefill_selects_the_same_positions(snap, server_factory, tokenizer):
+    """Chunks of 256 tokens, the last one shorter than the observation window: the window's
+    queries straddle two chunks. The selection must equal the one-shot prefill's."""
+    chunked = server_factory(*POOL_ARGS, *SNAPKV, "--chunked-prefill-size", "256")
+    # A document no other test sends to `snap`, so nothing of it is cached there.
+    prompt = tokenizer(pg19_texts("4K", count=20)[15])["input_ids"][: 256 * 6 + 10]
+    one_shot = greedy(snap, prompt, 4)
+    in_chunks = greedy(chunked, prompt, 4)
+    assert summary_of(one_shot)["status"] == summary_of(in_chunks)["status"] == "computed"
+    assert summary_of(in_chunks)["digest"] == summary_of(one_shot)["digest"]
+    chunked.stop()
+
+
+def test_shared_document_computes_one_summary(snap, plain, tokenizer):
+    """8 questions over one ~3K-token document, forked by a frontend program: the document is
+    summarised once and every question reuses it; answers equal plain decoding's."""
+    document = tokenizer.decode(tokenizer(pg19_texts("4K", count=8)[7])["input_ids"][:3000])
+    before = magicdec_info(snap)
+    answers = shared_doc_qa.run(snap.url, document, num_questions=8, max_tokens=12)
+    after = magicdec_info(snap)
+    assert after["summaries_computed"] - before["summaries_computed"] == 1
+    assert after["summaries_reused"] - before["summaries_reused"] == 8
+    assert answers == shared_doc_qa.run(plain.url, document, num_questions=8, max_tokens=12)
+
+
+def test_agent_loop_reuses_the_manual_summary(snap, plain):
+    """Two agents, three turns each, over a ~1.9K-token tool manual: one summary (the manual),
+    reused by every turn, whose prompt extends the manual and the earlier turns."""
+    before = magicdec_info(snap)
+    transcripts = agent_loop.run(snap.url, num_agents=2, turns=3, max_tokens=12, num_tools=24)
+    after = magicdec_info(snap)
+    assert after["summaries_computed"] - before["summaries_computed"] == 1
+    assert after["summaries_reused"] - before["summaries_reused"] == 2 * 3
+    assert transcripts == agent_loop.run(plain.url, 2, 3, max_tokens=12, num_tools=24)
+
+
+def test_bad_flags_fail_with_one_line(tmp_path):
+    import subprocess
+
+    from sglang_magicdec.server_process import LAUNCH
+
+    cases = {
+        ("--magicdec-obs-window", "0"): "--magicdec-obs-window",
+        ("--magicdec-obs-window", "600"): "--magicdec-obs-window",
+        ("--magicdec-pool-kernel", "4"): "--magicdec-pool-kernel",
+        ("--magicdec-pool", "median"): "--magicdec-pool",
+        ("--magicdec-share-min-len", "8"): "--magicdec-share-min-len",
+    }
+    for flags, expected in cases.items():
+        done = subprocess.run(
+            [*LAUNCH, *SNAPKV, *flags], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 2, done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and expected in lines[0], done.stderr
+
+
+def test_eviction_retraction_and_aborts_under_kv_pressure(
+    server_factory, plain, tokenizer, monkeypatch
+):
+    """200 mixed requests (questions over a shared document, unshared prompts, aborts) on a
+    pool far too small for them: the radix cache evicts, decode retracts, and every request
+    that was not aborted returns exactly its plain-decoding output. Debug mode asserts inside
+    the worker that no draft selection or summary refers to a freed slot.
+
+    SGLang admits decode requests with enough KV reserved for MAGICDEC's rounds that this pool
+    evicts but never runs out mid-decode, so retraction is also forced through SGLang's own
+    test switch (its real `retract_decode`, every 10th step)."""
+    monkeypatch.setenv("SGLANG_TEST_RETRACT", "1")
+    monkeypatch.setenv("SGLANG_TEST_RETRACT_INTERVAL", "10")
+    pressed = server_factory(
+        "--dtype",
+        "float32",
+        "--max-total-tokens",
+        "6000",
+        *SNAPKV,
+        "--magicdec-budget",
+        "256",
+        "--magicdec-share-min-len",
+        "512",
+        "--magicdec-debug",
+    )
+    texts = pg19_texts("4K", count=20)
+    document = tokenizer(texts[10])["input_ids"][:1200]
+    questions = [tokenizer(f" Question {i}: what happens next?")["input_ids"] for i in range(6)]
+    shared = [document + question for question in questions]
+    unshared = [tokenizer(text)["input_ids"][:700] for text in texts[11:17]]
+    distinct = shared + unshared
+    max_new_tokens = 24
+    expected = run_concurrently(plain, distinct, max_new_tokens, ignore_eos=True)
+    greedy(pressed, document, 1)  # the shared document gets its summary first
+
+    rng = random.Random(0)
+    jobs = [(i, rng.randrange(len(distinct)), rng.random() < 0.1) for i in range(200)]
+
+    def send(job):
+        index, prompt, abort = job
+        rid = f"pressure-{index:03d}-"  # SGLang aborts every rid that starts with the one given
+        if abort:
+            threading.Timer(rng.uniform(0.5, 5), _abort, (pressed.url, rid)).start()
+        sampling = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}
+        payload = {"input_ids": distinct[prompt], "sampling_params": sampling, "rid": rid}
+        return prompt, abort, pressed.generate(payload)
+
+    with ThreadPoolExecutor(32) as pool:
+        outcomes = list(pool.map(send, jobs))
+
+    finished = 0
+    for prompt, abort, result in outcomes:
+        if result["meta_info"]["finish_reason"]["type"] == "abort":
+            assert abort, "only the requests we aborted may end aborted"
+            continue
+        finished += 1
+        assert result["output_ids"] == expected[prompt]["output_ids"], f"prompt {prompt}"
+    assert finished >= 150
+    info = magicdec_info(pressed)
+    assert info["summaries_reused"] > 0 and info["summaries_dropped"] > 0, info
+    retractions = sum(result["meta_info"].get("num_retractions", 0) for _, _, result in outcomes)
+    assert retractions > 0, "the pool should have been small enough to retract requests"
+    # Back to idle: nothing held, nothing leaked.
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if requests.post(f"{pressed.url}/flush_cache", timeout=30).status_code == 200:
+            break
+        time.sleep(1)
+    load = requests.get(f"{pressed.url}/v1/loads", timeout=30).json()["loads"][0]
+    assert load["num_used_tokens"] == 0, load
+    assert magicdec_info(pressed)["summaries_held"] == 0
+
+
+def _abort(url: str, rid: str) -> None:
+    requests.post(f"{url}/abort_request", json={"rid": rid}, timeout=30)
