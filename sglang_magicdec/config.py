@@ -43,7 +43,7 @@ class MagicDecConfig:
     debug        check every draft selection against the request's live KV slots (tests)
     """
 
-    draft: str = "streaming"
+    draft: str = "snapkv"
     budget: int = 512
     sinks: int = 16
     obs_window: int = 32
@@ -66,6 +66,17 @@ class MagicDecConfig:
                 f"--magicdec-budget ({self.budget}) must be larger than --magicdec-sinks "
                 f"({self.sinks}): the draft needs room for recent tokens"
             )
+        if self.draft == "snapkv":
+            self._check_snapkv()
+        if self.gamma is not None and self.gamma != "auto":
+            if not self.gamma.isdigit() or int(self.gamma) < 1:
+                raise ValueError(
+                    f"--magicdec-gamma must be 'auto' or an integer >= 1, got {self.gamma!r}"
+                )
+        if self.min_context is not None and self.min_context < 0:
+            raise ValueError(f"--magicdec-min-context must be >= 0, got {self.min_context}")
+
+    def _check_snapkv(self) -> None:
         if self.obs_window < 1 or self.obs_window >= self.budget:
             raise ValueError(
                 f"--magicdec-obs-window must be in [1, budget {self.budget}), got {self.obs_window}"
@@ -81,13 +92,6 @@ class MagicDecConfig:
                 f"--magicdec-share-min-len must be >= --magicdec-obs-window ({self.obs_window}), "
                 f"got {self.share_min_len}"
             )
-        if self.gamma is not None and self.gamma != "auto":
-            if not self.gamma.isdigit() or int(self.gamma) < 1:
-                raise ValueError(
-                    f"--magicdec-gamma must be 'auto' or an integer >= 1, got {self.gamma!r}"
-                )
-        if self.min_context is not None and self.min_context < 0:
-            raise ValueError(f"--magicdec-min-context must be >= 0, got {self.min_context}")
 
     @property
     def dense_below(self) -> int:
@@ -167,6 +171,9 @@ _FLAGS = {
 }
 
 
+SNAPKV_ONLY = ("obs_window", "pool", "pool_kernel", "share_min_len")
+
+
 def add_magicdec_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """Add the `MagicDec` argument group (shown in --help); unset flags parse as None."""
     group = parser.add_argument_group(GROUP_TITLE, GROUP_DESCRIPTION)
@@ -193,6 +200,10 @@ def config_from_args(args: argparse.Namespace) -> MagicDecConfig | None:
     if steps is not None and steps < 1:
         raise ValueError(f"--speculative-num-steps (γ) must be >= 1 for {ALGORITHM}, got {steps}")
     config = MagicDecConfig(**given)
+    misplaced = [field for field in SNAPKV_ONLY if field in given and config.draft != "snapkv"]
+    if misplaced:
+        flags = ", ".join(_FLAGS[field][0] for field in misplaced)
+        raise ValueError(f"{flags} apply to --magicdec-draft snapkv only")
     if config.gamma not in (None, "auto") and steps is not None and steps != int(config.gamma):
         raise ValueError(
             f"--magicdec-gamma {config.gamma} and --speculative-num-steps {steps} disagree"

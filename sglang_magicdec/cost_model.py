@@ -95,6 +95,7 @@ class CostModel:
         self.costs: dict[tuple[int, int], StepCosts] = {}
         self._drafts: dict[str, tuple[float, float]] = {}  # rid -> (kept, tested)
         self.last: Decision | None = None
+        self.decisions: dict[tuple[int, int], Decision] = {}  # the latest per bucket
 
     @staticmethod
     def bucket(batch_size: int, mean_context: float) -> tuple[int, int]:
@@ -148,7 +149,7 @@ class CostModel:
             decision = self.best(costs, [self.alpha(rid) for rid in rids])
             if decision.gamma == 0 and costs.plain_rounds_since_speculation >= self.explore_every:
                 decision = Decision(self.gamma_max, decision.predicted_speedup, "exploring")
-        self.last = decision
+        self.last = self.decisions[bucket] = decision
         return decision
 
     def best(self, costs: StepCosts, alphas: list[float]) -> Decision:

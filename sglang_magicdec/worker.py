@@ -202,6 +202,16 @@ class MagicDecWorker(BaseSpecWorker):
             "current_gamma": None if last is None else last.gamma,
             "predicted_speedup": None if last is None else last.predicted_speedup,
             "gamma_reason": None if last is None else last.reason,
+            # The latest decision per (batch size, mean context) bucket, both rounded up to
+            # powers of two.
+            "gamma_by_bucket": {
+                f"batch<={batch},context<={context}": {
+                    "gamma": decision.gamma,
+                    "predicted_speedup": decision.predicted_speedup,
+                    "reason": decision.reason,
+                }
+                for (batch, context), decision in sorted(self.cost_model.decisions.items())
+            },
         }
 
     def _bucket(self, batch: ScheduleBatch) -> tuple[int, int]:

@@ -107,4 +107,7 @@ def test_auto_gamma_speculates_at_long_context_and_batch_8(server_factory, token
     print(f"auto at batch 8, 4K context: {info}")
     assert info["gamma_mode"] == "auto"
     assert all(r["meta_info"]["completion_tokens"] == 96 for r in results)
-    assert info["current_gamma"] >= 1, info
+    # Requests finish at different rounds, so the batch shrinks at the end: read the decision
+    # for the full batch, not the last one.
+    full_batch = info["gamma_by_bucket"]["batch<=8,context<=4096"]
+    assert full_batch["gamma"] >= 1, info

@@ -116,6 +116,7 @@ def test_bad_flags_fail_with_one_line(tmp_path):
         ("--magicdec-pool-kernel", "4"): "--magicdec-pool-kernel",
         ("--magicdec-pool", "median"): "--magicdec-pool",
         ("--magicdec-share-min-len", "8"): "--magicdec-share-min-len",
+        ("--magicdec-draft", "streaming", "--magicdec-obs-window", "8"): "snapkv only",
     }
     for flags, expected in cases.items():
         done = subprocess.run(
