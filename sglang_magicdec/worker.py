@@ -353,7 +353,7 @@ class MagicDecWorker(BaseSpecWorker):
         )
 
     def _speculate(self, batch: ScheduleBatch, on_publish, gamma: int) -> GenerationBatchResult:
-        bucket = self._bucket(batch)
+        bucket = self._bucket(batch) if self.cost_model is not None else None
         rids = [req.rid for req in batch.reqs]
         committed = batch.seq_lens.to(torch.int64)
         round_slots = self._round_slots(batch, committed, self.num_draft_tokens)
@@ -420,7 +420,7 @@ class MagicDecWorker(BaseSpecWorker):
         batch.out_cache_loc = self._round_slots(batch, committed, 1)[:, 0]
         self._set_lens(batch, committed + 1)
         batch.spec_info = None
-        bucket = self._bucket(batch)
+        bucket = self._bucket(batch) if self.cost_model is not None else None
         started = self._clock()
         result = self.target_worker.forward_batch_generation(batch)
         if self.cost_model is not None:
