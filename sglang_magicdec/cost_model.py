@@ -10,7 +10,7 @@ per batch (`--magicdec-gamma auto`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def expected_tokens_per_round(gamma: int, alpha: float) -> float:
@@ -39,32 +39,54 @@ def round_time(gamma: int, t_draft: float, t_verify: float) -> float:
 
 @dataclass
 class StepCosts:
-    """Measured seconds of one batch's forwards in a (batch size, context) bucket, as EMAs.
+    """Seconds of one batch's forwards in a (batch size, context) bucket: each the fastest of its
+    last `RECENT` measurements. Timing noise on a shared machine only ever adds time, and a
+    bucket's first steps can be several times slower than the rest (cold caches and allocator),
+    while within a bucket (context within 2x) the true cost moves little.
 
     decode        a plain decode step (γ = 0)
-    draft         one draft step
+    draft         one draft step, the round's bookkeeping included
     verify_extra  verify time per verified draft token beyond a plain step:
                   T_verify(γ) = decode + γ · verify_extra
     """
 
+    RECENT = 4
+
     decode: float | None = None
     draft: float | None = None
     verify_extra: float | None = None
-    plain_rounds_since_speculation: int = 0
+    plain_steps: int = 0  # measured so far
+    speculative_rounds: int = 0
+    rounds_since_plain: int = 0
+    rounds_since_speculation: int = 0
+    recent: dict[str, list[float]] = field(default_factory=dict)
 
     def verify(self, gamma: int) -> float:
         return self.decode + gamma * self.verify_extra
 
-    @property
-    def calibrated(self) -> bool:
-        return None not in (self.decode, self.draft, self.verify_extra)
+    def measured(self, name: str, seconds: float) -> None:
+        samples = self.recent.setdefault(name, [])
+        samples.append(seconds)
+        del samples[: -self.RECENT]
+        setattr(self, name, min(samples))
+
+    def milliseconds(self) -> dict[str, float | None]:
+        """The current costs, for `/get_server_info`."""
+        return {
+            f"{name}_ms": None if seconds is None else round(seconds * 1000, 2)
+            for name, seconds in (
+                ("decode", self.decode),
+                ("draft", self.draft),
+                ("verify_extra", self.verify_extra),
+            )
+        }
 
 
 @dataclass(frozen=True)
 class Decision:
     gamma: int
     predicted_speedup: float  # predicted tokens/s at `gamma` over plain decoding's
-    reason: str  # "model", or the calibration step being measured
+    reason: str  # "model", "exploring", or the calibration step being measured
 
 
 class CostModel:
@@ -72,26 +94,27 @@ class CostModel:
     Σ_requests Ω(γ, α_r) / (γ·T_draft + T_verify(γ)), against batch / T_decode for γ = 0.
 
     Step times are measured online by the worker, bucketed by batch size and mean context length
-    (powers of two). A bucket calibrates itself: its first rounds measure a plain step and a γ_max
-    round. While γ = 0 wins, one γ_max round in every `explore_every` plain rounds keeps its
-    speculative costs and the requests' α current. α is estimated per request from its own verify
-    rounds (accepted drafts / tested drafts), starting from `prior_alpha` worth `prior_weight`
-    drafts.
+    (powers of two). A bucket calibrates itself: its first rounds are `calibration_rounds` plain
+    steps, then as many γ_max rounds. After that, whichever of plain and speculative wins, one
+    round of the other every `explore_every` rounds keeps both costs (and the requests' α)
+    current, so neither a cold first measurement nor a change of load fixes γ for good. α is
+    estimated per request from its own verify rounds (accepted drafts / tested drafts), starting
+    from `prior_alpha` worth `prior_weight` drafts.
     """
 
     def __init__(
         self,
         gamma_max: int,
-        smoothing: float = 0.3,
         prior_alpha: float = 0.7,
         prior_weight: float = 4.0,
-        explore_every: int = 32,
+        explore_every: int = 16,
+        calibration_rounds: int = 2,
     ):
         self.gamma_max = gamma_max
-        self.smoothing = smoothing
         self.prior_alpha = prior_alpha
         self.prior_weight = prior_weight
         self.explore_every = explore_every
+        self.calibration_rounds = calibration_rounds
         self.costs: dict[tuple[int, int], StepCosts] = {}
         self._drafts: dict[str, tuple[float, float]] = {}  # rid -> (kept, tested)
         self.last: Decision | None = None
@@ -108,19 +131,22 @@ class CostModel:
 
     def record_decode(self, bucket: tuple[int, int], seconds: float) -> None:
         costs = self.costs.setdefault(bucket, StepCosts())
-        costs.decode = self._ema(costs.decode, seconds)
-        costs.plain_rounds_since_speculation += 1
+        costs.measured("decode", seconds)
+        costs.plain_steps += 1
+        costs.rounds_since_speculation += 1
+        costs.rounds_since_plain = 0
 
     def record_round(
         self, bucket: tuple[int, int], gamma: int, draft_seconds: float, verify_seconds: float
     ) -> None:
         """A speculative round: mean seconds per draft step, seconds of the verify pass."""
         costs = self.costs.setdefault(bucket, StepCosts())
-        costs.draft = self._ema(costs.draft, draft_seconds)
+        costs.measured("draft", draft_seconds)
         if costs.decode is not None:
-            extra = max(0.0, verify_seconds - costs.decode) / gamma
-            costs.verify_extra = self._ema(costs.verify_extra, extra)
-        costs.plain_rounds_since_speculation = 0
+            costs.measured("verify_extra", max(0.0, verify_seconds - costs.decode) / gamma)
+        costs.speculative_rounds += 1
+        costs.rounds_since_plain += 1
+        costs.rounds_since_speculation = 0
 
     def record_acceptance(self, rids: list[str], accept_lens: list[int], gamma: int) -> None:
         for rid, accepted in zip(rids, accept_lens, strict=True):
@@ -141,14 +167,16 @@ class CostModel:
     def choose(self, rids: list[str], mean_context: float) -> Decision:
         bucket = self.bucket(len(rids), mean_context)
         costs = self.costs.get(bucket) or StepCosts()
-        if costs.decode is None:
+        if costs.plain_steps < self.calibration_rounds:
             decision = Decision(0, 1.0, "calibrating plain step")
-        elif not costs.calibrated:
+        elif costs.speculative_rounds < self.calibration_rounds or costs.verify_extra is None:
             decision = Decision(self.gamma_max, 1.0, "calibrating speculation")
         else:
             decision = self.best(costs, [self.alpha(rid) for rid in rids])
-            if decision.gamma == 0 and costs.plain_rounds_since_speculation >= self.explore_every:
+            if decision.gamma == 0 and costs.rounds_since_speculation >= self.explore_every:
                 decision = Decision(self.gamma_max, decision.predicted_speedup, "exploring")
+            elif decision.gamma > 0 and costs.rounds_since_plain >= self.explore_every:
+                decision = Decision(0, decision.predicted_speedup, "exploring")
         self.last = self.decisions[bucket] = decision
         return decision
 
@@ -161,6 +189,3 @@ class CostModel:
             if rate > best_rate:
                 best_gamma, best_rate = gamma, rate
         return Decision(best_gamma, best_rate / plain_rate, "model")
-
-    def _ema(self, old: float | None, new: float) -> float:
-        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new

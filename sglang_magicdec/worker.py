@@ -36,7 +36,7 @@ from sglang.srt.speculative.spec_info import SpecInput, SpecInputType
 
 from sglang_magicdec import summaries as summaries_module
 from sglang_magicdec.config import MagicDecConfig
-from sglang_magicdec.cost_model import CostModel
+from sglang_magicdec.cost_model import CostModel, StepCosts
 from sglang_magicdec.drafts import SnapKVDraft, StreamingDraft
 from sglang_magicdec.observer import PendingWindow, WindowObserver
 from sglang_magicdec.sampling import chain_rejection_sample, sample_from, sampling_probs
@@ -209,6 +209,7 @@ class MagicDecWorker(BaseSpecWorker):
                     "gamma": decision.gamma,
                     "predicted_speedup": decision.predicted_speedup,
                     "reason": decision.reason,
+                    **self.cost_model.costs.get((batch, context), StepCosts()).milliseconds(),
                 }
                 for (batch, context), decision in sorted(self.cost_model.decisions.items())
             },
@@ -354,6 +355,9 @@ class MagicDecWorker(BaseSpecWorker):
 
     def _speculate(self, batch: ScheduleBatch, on_publish, gamma: int) -> GenerationBatchResult:
         bucket = self._bucket(batch) if self.cost_model is not None else None
+        # The round's bookkeeping (slots, draft selections, uniforms) is part of its cost: the
+        # cost model counts it in the draft steps.
+        started = self._clock()
         rids = [req.rid for req in batch.reqs]
         committed = batch.seq_lens.to(torch.int64)
         round_slots = self._round_slots(batch, committed, self.num_draft_tokens)
@@ -365,7 +369,6 @@ class MagicDecWorker(BaseSpecWorker):
             uniforms = self._uniforms(batch, committed, gamma)  # draft draws, tests, last draw
             draft_probs = []
 
-        started = self._clock()
         for step in range(gamma):
             logits = self._draft_step(batch, committed, step, tokens, draft_slots, round_slots)
             if greedy:
@@ -415,13 +418,13 @@ class MagicDecWorker(BaseSpecWorker):
 
     def _plain_decode(self, batch: ScheduleBatch, on_publish) -> GenerationBatchResult:
         """One ordinary decode step (γ = 0) in the round's first reserved slot."""
+        bucket = self._bucket(batch) if self.cost_model is not None else None
+        started = self._clock()
         committed = batch.seq_lens.to(torch.int64)
         batch.input_ids = self._last_tokens(batch)[:, 0]
         batch.out_cache_loc = self._round_slots(batch, committed, 1)[:, 0]
         self._set_lens(batch, committed + 1)
         batch.spec_info = None
-        bucket = self._bucket(batch) if self.cost_model is not None else None
-        started = self._clock()
         result = self.target_worker.forward_batch_generation(batch)
         if self.cost_model is not None:
             self.cost_model.record_decode(bucket, self._clock() - started)

@@ -69,19 +69,42 @@ def test_predicted_speedup_matches_the_formula():
 
 
 def test_calibrates_then_decides_and_explores():
-    model = CostModel(gamma_max=3, explore_every=2)
+    model = CostModel(gamma_max=3, explore_every=2, calibration_rounds=2)
     rids = ["a", "b"]
-    assert model.choose(rids, 1000).reason == "calibrating plain step"
     bucket = CostModel.bucket(2, 1000)
-    model.record_decode(bucket, 0.01)
-    assert model.choose(rids, 1000).gamma == 3  # calibrating speculation
-    model.record_round(bucket, 3, draft_seconds=0.01, verify_seconds=0.012)
+    for seconds in (0.05, 0.01):  # the first step is cold: the fastest calibration step counts
+        assert model.choose(rids, 1000).reason == "calibrating plain step"
+        model.record_decode(bucket, seconds)
+    assert model.costs[bucket].decode == 0.01
+    for _ in range(2):
+        assert model.choose(rids, 1000).gamma == 3  # calibrating speculation
+        model.record_round(bucket, 3, draft_seconds=0.01, verify_seconds=0.012)
     model.record_acceptance(rids, [4, 1], gamma=3)
     decision = model.choose(rids, 1000)
     assert (decision.gamma, decision.reason) == (0, "model")  # a draft step costs a plain step
     model.record_decode(bucket, 0.01)
     model.record_decode(bucket, 0.01)
     assert model.choose(rids, 1000).reason == "exploring"
+
+
+def test_keeps_measuring_plain_steps_while_speculation_wins():
+    """Speculation winning on a bad plain-step measurement must not go unchecked: a plain step
+    every `explore_every` rounds corrects it."""
+    model = CostModel(gamma_max=3, explore_every=3, calibration_rounds=1)
+    rids = ["a"]
+    bucket = CostModel.bucket(1, 1000)
+    model.record_decode(bucket, 0.5)  # an outlier
+    model.record_round(bucket, 3, draft_seconds=0.12, verify_seconds=0.5)
+    for _ in range(8):
+        model.record_acceptance(rids, [4], gamma=3)
+    for _ in range(2):
+        assert model.choose(rids, 1000).gamma == 3
+        model.record_round(bucket, 3, draft_seconds=0.12, verify_seconds=0.12)
+    assert (model.choose(rids, 1000).gamma, model.last.reason) == (0, "exploring")
+    for _ in range(10):
+        model.record_decode(bucket, 0.1)  # the real plain-step cost
+    best = model.best(model.costs[bucket], [model.alpha("a")])
+    assert best.gamma == 0  # a draft step costs more than a plain step
 
 
 def test_alpha_per_request_from_its_rounds():
