@@ -3,20 +3,25 @@ context, the cost model's predicted vs measured speedup, the γ auto picks per p
 draft budget, and the shared-document workload. Writes benchmark/results/suite.md and PNG plots.
 
     .venv/bin/python -m benchmark.suite                      # the CPU defaults (about 2 hours)
-    .venv/bin/python -m benchmark.suite --quick              # a smaller grid (about 25 minutes)
+    .venv/bin/python -m benchmark.suite --quick              # a smaller grid
     .venv/bin/python -m benchmark.suite --base-url http://HOST:PORT --contexts 32768 --batches 16 64
                                                              # throughput of one running server
                                                              # (e.g. on a GPU), nothing started
 
-Servers run one after the other (never two at once: this machine has two cores). Each context's
-prompts (PG-19, cut to that many tokens) are prefilled once; every batch size then decodes from
-the radix cache, so tokens/s is decode only.
+Each MagicDec mode is measured against an AR server alive at the same time: for every context,
+the two servers prefill the same PG-19 prompts (cut to that length) once, decode a short warm-up
+at every batch size (a serving process is warm, and γ = auto has calibrated its buckets), then
+take turns, point by point, for `--repeats` rounds. Only one of them runs at a time (this machine
+has two cores; an idle SGLang server sleeps), and a speedup is the median of the per-turn ratios,
+so drift of the machine's speed between turns cancels out. Decode tokens/s only: every batch
+decodes from the radix cache.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,60 +55,93 @@ def server_magicdec_info(url: str) -> dict:
     return state.get("internal_states", [{}])[0].get("magicdec") or {}
 
 
-def measure_throughput(
-    url: str, server: ServerProcess | None, prompts_by_context, batches, new_tokens, progress
+def decode_tokens_per_s(server: ServerProcess, prompts, new_tokens: int) -> tuple[float, list]:
+    start = time.perf_counter()
+    results = run_batch(server, prompts, new_tokens + 1)  # the first token comes from prefill
+    return len(prompts) * new_tokens / (time.perf_counter() - start), results
+
+
+def full_batch_decision(url: str, batch: int, context: int, new_tokens: int) -> dict:
+    """γ = auto's latest decision for the whole batch: requests finish at different rounds, so
+    the very last decision is often for a smaller batch."""
+    size, mean_context = CostModel.bucket(batch, context + new_tokens / 2)
+    info = server_magicdec_info(url)
+    return info.get("gamma_by_bucket", {}).get(f"batch<={size},context<={mean_context}", {})
+
+
+def measure_against_ar(
+    servers: dict[str, ServerProcess], prompts, context, batches, new_tokens, repeats, progress
 ) -> list[dict]:
-    client = server or ServerProcess(url, None, None)  # type: ignore[arg-type]
-    points = []
-    for context, prompts in prompts_by_context.items():
-        run_batch(client, prompts, 1)  # prefill once; the batches below hit the radix cache
+    """`servers`: {"ar": …, mode: …}, both holding `prompts` prefilled."""
+    mode = next(name for name in servers if name != "ar")
+    turns: dict[int, list[tuple[float, float]]] = {batch: [] for batch in batches}
+    alphas: dict[int, list[float]] = {batch: [] for batch in batches}
+    for turn in range(repeats):
         for batch in batches:
-            start = time.perf_counter()
-            results = run_batch(client, prompts[:batch], new_tokens + 1)
-            elapsed = time.perf_counter() - start
-            info = server_magicdec_info(url)
-            # The decision for the full batch: requests finish at different rounds, so the last
-            # decision is often for a smaller batch.
-            size, mean_context = CostModel.bucket(batch, context + new_tokens / 2)
-            decision = info.get("gamma_by_bucket", {}).get(
-                f"batch<={size},context<={mean_context}", {}
-            )
-            point = {
+            # Who goes first alternates, so that neither always follows the other's work.
+            order = ["ar", mode] if turn % 2 == 0 else [mode, "ar"]
+            measured = {
+                name: decode_tokens_per_s(servers[name], prompts[:batch], new_tokens)
+                for name in order
+            }
+            (ar, _), (spec, results) = measured["ar"], measured[mode]
+            turns[batch].append((ar, spec))
+            if mode == "fixed":  # with γ = auto, rounds of different γ make α ill-defined
+                alphas[batch].append(
+                    alpha_of(results, server_magicdec_info(servers[mode].url)["gamma"])
+                )
+            progress.update()
+    points = []
+    for batch in batches:
+        decision = full_batch_decision(servers[mode].url, batch, context, new_tokens)
+        points.append(
+            {
+                "mode": mode,
                 "context": context,
                 "batch": batch,
-                "tokens_per_s": batch * new_tokens / elapsed,
-                "alpha": alpha_of(results, info.get("gamma", 3)) if info else None,
+                "ar_tokens_per_s": statistics.median(ar for ar, _ in turns[batch]),
+                "tokens_per_s": statistics.median(spec for _, spec in turns[batch]),
+                "speedup": statistics.median(spec / ar for ar, spec in turns[batch]),
+                "alpha": statistics.median(alphas[batch]) if alphas[batch] else None,
                 "gamma": decision.get("gamma"),
                 "predicted_speedup": decision.get("predicted_speedup"),
             }
-            points.append(point)
-            progress.update()
+        )
     return points
 
 
-def throughput_table(rows: dict[str, list[dict]]) -> str:
-    modes = [m for m in rows if m != "ar"]
-    head = "| context | batch | AR tok/s | " + " | ".join(f"{m} tok/s | {m} / AR" for m in modes)
-    lines = [
-        head + " | auto γ | auto predicted | α (fixed γ) |",
-        "|---" * (3 + 2 * len(modes) + 3) + "|",
-    ]
-    for i, ar in enumerate(rows["ar"]):
-        cells = [str(ar["context"]), str(ar["batch"]), f"{ar['tokens_per_s']:.1f}"]
-        for mode in modes:
-            point = rows[mode][i]
-            cells += [
-                f"{point['tokens_per_s']:.1f}",
-                f"{point['tokens_per_s'] / ar['tokens_per_s']:.2f}x",
+def measure_server(url: str, prompts_by_context, batches, new_tokens, repeats) -> list[dict]:
+    """`--base-url`: one running server's decode tokens/s, nothing to compare against."""
+    client = ServerProcess(url, None, None)  # type: ignore[arg-type]
+    points = []
+    for context, prompts in prompts_by_context.items():
+        run_batch(client, prompts, 1)
+        for batch in batches:
+            rates = [
+                decode_tokens_per_s(client, prompts[:batch], new_tokens)[0] for _ in range(repeats)
             ]
-        auto = rows.get("auto", [None] * len(rows["ar"]))[i]
-        fixed = rows.get("fixed", [None] * len(rows["ar"]))[i]
-        cells.append(str(auto["gamma"]) if auto else "-")
-        cells.append(
-            f"{auto['predicted_speedup']:.2f}x" if auto and auto["predicted_speedup"] else "-"
+            points.append(
+                {"context": context, "batch": batch, "tokens_per_s": statistics.median(rates)}
+            )
+    return points
+
+
+def throughput_table(points: list[dict]) -> str:
+    lines = [
+        "| mode | context | batch | AR tok/s | MagicDec tok/s | speedup (median of turns) "
+        "| α | auto γ | auto predicted |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for point in points:
+        auto = point["mode"] == "auto"
+        alpha, predicted = point["alpha"], point["predicted_speedup"]
+        lines.append(
+            f"| {point['mode']} | {point['context']} | {point['batch']} "
+            f"| {point['ar_tokens_per_s']:.1f} | {point['tokens_per_s']:.1f} "
+            f"| {point['speedup']:.2f}x | {'-' if alpha is None else f'{alpha:.3f}'} "
+            f"| {point['gamma'] if auto else '-'} "
+            f"| {f'{predicted:.2f}x' if auto and predicted else '-'} |"
         )
-        cells.append(f"{fixed['alpha']:.3f}" if fixed and fixed["alpha"] is not None else "-")
-        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -119,6 +157,7 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+")
     parser.add_argument("--batches", type=int, nargs="+")
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3, help="turns per point (median)")
     parser.add_argument("--gamma", type=int, default=3)
     parser.add_argument("--base-url", help="measure this running server's throughput only")
     parser.add_argument("--skip-acceptance", action="store_true")
@@ -132,61 +171,67 @@ def main() -> None:
     tokenizer = load_tokenizer()
     prompts = {c: load_prompts(args.data, c, max(batches), tokenizer) for c in contexts}
     if args.base_url:
-        modes = {"server": None}
-    else:
-        gamma = ["--speculative-num-steps", str(args.gamma)]
-        modes = {
-            "ar": [],
-            "fixed": [*SPECULATIVE, *gamma],
-            "auto": [*SPECULATIVE, *gamma, "--magicdec-gamma", "auto"],
-        }
-    progress = tqdm(total=len(modes) * len(contexts) * len(batches), desc="throughput", unit="pt")
-    rows: dict[str, list[dict]] = {}
-    log_dir = Path(tempfile.mkdtemp(prefix="bench-suite-"))
-    for mode, mode_args in modes.items():
-        if mode_args is None:
-            rows[mode] = measure_throughput(
-                args.base_url, None, prompts, batches, args.new_tokens, progress
-            )
-            continue
-        server = start_server(["--dtype", "float32", *mode_args], log_dir)
-        try:
-            rows[mode] = measure_throughput(
-                server.url, server, prompts, batches, args.new_tokens, progress
-            )
-        finally:
-            server.stop()
-    progress.close()
-    (args.out / "throughput.json").write_text(json.dumps(rows, indent=2))
-    if args.base_url:
-        print(json.dumps(rows, indent=2))
+        points = measure_server(args.base_url, prompts, batches, args.new_tokens, args.repeats)
+        (args.out / "throughput.json").write_text(json.dumps(points, indent=2))
+        print(json.dumps(points, indent=2))
         return
+
+    gamma = [*SPECULATIVE, "--speculative-num-steps", str(args.gamma)]
+    modes = {"fixed": gamma, "auto": [*gamma, "--magicdec-gamma", "auto"]}
+    progress = tqdm(
+        total=len(modes) * len(contexts) * len(batches) * args.repeats, desc="throughput", unit="pt"
+    )
+    log_dir = Path(tempfile.mkdtemp(prefix="bench-suite-"))
+    points: list[dict] = []
+    for context in contexts:
+        # The pool holds the largest batch at this context, and no more: two servers are alive.
+        pool = ["--max-total-tokens", str(max(batches) * (context + 2 * args.new_tokens))]
+        for mode, mode_args in modes.items():
+            servers: dict[str, ServerProcess] = {}
+            try:
+                for name, server_args in (("ar", []), (mode, mode_args)):
+                    servers[name] = start_server(
+                        ["--dtype", "float32", *pool, *server_args], log_dir
+                    )
+                for server in servers.values():
+                    run_batch(server, prompts[context], 1)  # prefill once, into the radix cache
+                    for batch in batches:
+                        run_batch(server, prompts[context][:batch], 16)  # warm-up
+                points += measure_against_ar(
+                    servers,
+                    prompts[context],
+                    context,
+                    batches,
+                    args.new_tokens,
+                    args.repeats,
+                    progress,
+                )
+            finally:
+                for server in servers.values():
+                    server.stop()
+    progress.close()
+    (args.out / "throughput.json").write_text(json.dumps(points, indent=2))
 
     sections = [
         f"# Benchmark suite (CPU, float32, SmolLM2-135M, γ={args.gamma}, {args.new_tokens} "
-        "new tokens, greedy, default draft)\n",
+        f"new tokens, greedy, default draft, median of {args.repeats} turns)\n",
         "## Throughput: AR vs MagicDec (fixed γ and γ = auto)\n",
-        throughput_table(rows),
+        throughput_table(points),
     ]
-    series = {}
-    for mode in ("fixed", "auto"):
-        for context in contexts:
-            points = [
-                (a, m)
-                for a, m in zip(rows["ar"], rows[mode], strict=True)
-                if a["context"] == context
-            ]
-            series[f"{mode}, context {context}"] = (
-                [a["batch"] for a, _ in points],
-                [m["tokens_per_s"] / a["tokens_per_s"] for a, m in points],
-            )
+    series = {
+        f"{mode}, context {context}": (
+            [p["batch"] for p in points if p["mode"] == mode and p["context"] == context],
+            [p["speedup"] for p in points if p["mode"] == mode and p["context"] == context],
+        )
+        for mode in modes
+        for context in contexts
+    }
     save_plot(
         args.out / "throughput.png", series, "batch size", "MagicDec / AR tokens/s", log_x=True
     )
-    measured = [
-        m["tokens_per_s"] / a["tokens_per_s"] for a, m in zip(rows["ar"], rows["auto"], strict=True)
-    ]
-    predicted = [m["predicted_speedup"] or 1.0 for m in rows["auto"]]
+    auto = [p for p in points if p["mode"] == "auto"]
+    predicted = [p["predicted_speedup"] or 1.0 for p in auto]
+    measured = [p["speedup"] for p in auto]
     save_plot(
         args.out / "cost_model.png",
         {"auto: predicted vs measured": (predicted, measured), "y = x": ([0.5, 2], [0.5, 2])},
