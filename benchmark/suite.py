@@ -9,12 +9,12 @@ draft budget, and the shared-document workload. Writes benchmark/results/suite.m
                                                              # (e.g. on a GPU), nothing started
 
 Each MagicDec mode is measured against an AR server alive at the same time: for every context,
-the two servers prefill the same PG-19 prompts (cut to that length) once, decode a short warm-up
-at every batch size (a serving process is warm, and γ = auto has calibrated its buckets), then
-take turns, point by point, for `--repeats` rounds. Only one of them runs at a time (this machine
-has two cores; an idle SGLang server sleeps), and a speedup is the median of the per-turn ratios,
-so drift of the machine's speed between turns cancels out. Decode tokens/s only: every batch
-decodes from the radix cache.
+one AR server and then each MagicDec server prefill the same PG-19 prompts (cut to that length)
+once and decode a short warm-up at every batch size (a serving process is warm, and γ = auto has
+calibrated its buckets); the AR server and the MagicDec one then take turns, point by point, for
+`--repeats` rounds. Only one of them runs at a time (this machine has two cores; an idle SGLang
+server sleeps), and a speedup is the median of the per-turn ratios, so drift of the machine's
+speed between turns cancels out. Decode tokens/s only: every batch decodes from the radix cache.
 """
 
 from __future__ import annotations
@@ -186,19 +186,19 @@ def main() -> None:
     for context in contexts:
         # The pool holds the largest batch at this context, and no more: two servers are alive.
         pool = ["--max-total-tokens", str(max(batches) * (context + 2 * args.new_tokens))]
-        for mode, mode_args in modes.items():
-            servers: dict[str, ServerProcess] = {}
-            try:
-                for name, server_args in (("ar", []), (mode, mode_args)):
-                    servers[name] = start_server(
-                        ["--dtype", "float32", *pool, *server_args], log_dir
-                    )
-                for server in servers.values():
-                    run_batch(server, prompts[context], 1)  # prefill once, into the radix cache
-                    for batch in batches:
-                        run_batch(server, prompts[context][:batch], 16)  # warm-up
+        servers: dict[str, ServerProcess] = {}
+        try:
+            # One AR server per context, measured against each MagicDec mode in turn.
+            for name, server_args in (("ar", []), *modes.items()):
+                server = start_server(["--dtype", "float32", *pool, *server_args], log_dir)
+                servers[name] = server
+                run_batch(server, prompts[context], 1)  # prefill once, into the radix cache
+                for batch in batches:
+                    run_batch(server, prompts[context][:batch], 16)  # warm-up
+                if name == "ar":
+                    continue
                 points += measure_against_ar(
-                    servers,
+                    {"ar": servers["ar"], name: server},
                     prompts[context],
                     context,
                     batches,
@@ -206,9 +206,10 @@ def main() -> None:
                     args.repeats,
                     progress,
                 )
-            finally:
-                for server in servers.values():
-                    server.stop()
+                servers.pop(name).stop()
+        finally:
+            for server in servers.values():
+                server.stop()
     progress.close()
     (args.out / "throughput.json").write_text(json.dumps(points, indent=2))
 
