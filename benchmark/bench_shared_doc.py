@@ -22,9 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import requests
-
-from benchmark.common import DEFAULT_DATA, RESULTS, load_tokenizer
+from benchmark.common import DEFAULT_DATA, RESULTS, load_tokenizer, magicdec_info
 from sglang_magicdec.cost_model import alpha_from_accept_length
 from sglang_magicdec.server_process import start_server
 
@@ -58,11 +56,6 @@ def long_questions(count: int) -> list[str]:
         f"quotation where possible, everything the text says about it and why it matters."
         for i in range(count)
     ]
-
-
-def magicdec_info(url: str) -> dict:
-    state = requests.get(f"{url}/get_server_info", timeout=30).json()
-    return state["internal_states"][0]["magicdec"]
 
 
 def main() -> None:

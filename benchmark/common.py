@@ -5,6 +5,8 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import requests
+
 from sglang_magicdec.cost_model import alpha_from_accept_length
 from sglang_magicdec.server_process import ServerProcess
 
@@ -29,6 +31,12 @@ def run_batch(server: ServerProcess, prompts: list[list[int]], new_tokens: int) 
                 lambda ids: server.generate({"input_ids": ids, "sampling_params": params}), prompts
             )
         )
+
+
+def magicdec_info(url: str) -> dict:
+    """The `magicdec` section of a server's `/get_server_info` ({} without MAGICDEC)."""
+    state = requests.get(f"{url}/get_server_info", timeout=30).json()
+    return state.get("internal_states", [{}])[0].get("magicdec") or {}
 
 
 def alpha_of(results: list[dict], gamma: int) -> float:

@@ -28,10 +28,17 @@ import tempfile
 import time
 from pathlib import Path
 
-import requests
 from tqdm import tqdm
 
-from benchmark.common import DEFAULT_DATA, RESULTS, alpha_of, load_tokenizer, run_batch, save_plot
+from benchmark.common import (
+    DEFAULT_DATA,
+    RESULTS,
+    alpha_of,
+    load_tokenizer,
+    magicdec_info,
+    run_batch,
+    save_plot,
+)
 from sglang_magicdec.cost_model import CostModel
 from sglang_magicdec.server_process import ServerProcess, start_server
 
@@ -50,11 +57,6 @@ def load_prompts(data: Path, context: int, count: int, tokenizer) -> list[list[i
     return prompts[:count]
 
 
-def server_magicdec_info(url: str) -> dict:
-    state = requests.get(f"{url}/get_server_info", timeout=30).json()
-    return state.get("internal_states", [{}])[0].get("magicdec") or {}
-
-
 def decode_tokens_per_s(server: ServerProcess, prompts, new_tokens: int) -> tuple[float, list]:
     start = time.perf_counter()
     results = run_batch(server, prompts, new_tokens + 1)  # the first token comes from prefill
@@ -65,7 +67,7 @@ def full_batch_decision(url: str, batch: int, context: int, new_tokens: int) -> 
     """γ = auto's latest decision for the whole batch: requests finish at different rounds, so
     the very last decision is often for a smaller batch."""
     size, mean_context = CostModel.bucket(batch, context + new_tokens / 2)
-    info = server_magicdec_info(url)
+    info = magicdec_info(url)
     return info.get("gamma_by_bucket", {}).get(f"batch<={size},context<={mean_context}", {})
 
 
@@ -87,9 +89,7 @@ def measure_against_ar(
             (ar, _), (spec, results) = measured["ar"], measured[mode]
             turns[batch].append((ar, spec))
             if mode == "fixed":  # with γ = auto, rounds of different γ make α ill-defined
-                alphas[batch].append(
-                    alpha_of(results, server_magicdec_info(servers[mode].url)["gamma"])
-                )
+                alphas[batch].append(alpha_of(results, magicdec_info(servers[mode].url)["gamma"]))
             progress.update()
     points = []
     for batch in batches:
