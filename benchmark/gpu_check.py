@@ -222,14 +222,17 @@ def check_sparse_decode(
     k_cache = torch.randn(pool_slots, kv_heads, head_dim, generator=gen, device=device).to(dtype)
     v_cache = torch.randn(pool_slots, kv_heads, head_dim, generator=gen, device=device).to(dtype)
     q = torch.randn(len(lengths), q_heads, head_dim, generator=gen, device=device).to(dtype)
-    kv_indptr = torch.tensor([0, *lengths]).cumsum(0)
-    head_kv_indices = torch.randint(
-        pool_slots, (kv_heads, total), generator=gen, device=device, dtype=torch.int64
+    kv_lens = torch.tensor(lengths, device=device)
+    head_slots = torch.randint(
+        pool_slots,
+        (len(lengths), kv_heads, max(lengths) + 1),
+        generator=gen,
+        device=device,
+        dtype=torch.int64,
     )
     scale = head_dim**-0.5
-    # The torch version reads kv_indptr on the host; the Triton one wants it on the device.
-    expected = sparse_decode_torch(q, k_cache, v_cache, kv_indptr, head_kv_indices, scale)
-    got = sparse_decode_triton(q, k_cache, v_cache, kv_indptr.to(device), head_kv_indices, scale)
+    expected = sparse_decode_torch(q, k_cache, v_cache, head_slots, kv_lens, scale)
+    got = sparse_decode_triton(q, k_cache, v_cache, head_slots, kv_lens, scale)
     name = sparse_check_name(lengths, q_heads, kv_heads, head_dim, dtype)
     return compare(name, got, expected, SPARSE_REL_TOL[dtype])
 
@@ -567,7 +570,7 @@ def dense_step_attention(
 def draft_slot_lists(
     pool: KVPool, budget: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """kv_indptr [B + 1] and head_kv_indices [Hkv, B·(budget + 32)] of a SnapKV draft.
+    """head_slots [B, Hkv, budget + 32] and kv_lens [B] of a SnapKV draft.
 
     Each (request, KV head) keeps `budget` prefix positions of its own, random and sorted (the
     pool order a real selection is read in), plus the last 32 positions, the step's own token
@@ -581,9 +584,8 @@ def draft_slot_lists(
     recent = torch.arange(prefix, context + 1, device=device).expand(batch, kv_heads, -1)
     positions = torch.cat([chosen.sort(dim=-1).values, recent], dim=-1)
     slots = positions + (torch.arange(batch, device=device) * pool.stride)[:, None, None]
-    head_kv_indices = slots.permute(1, 0, 2).reshape(kv_heads, batch * per_head).contiguous()
-    kv_indptr = torch.arange(batch + 1, device=device, dtype=torch.int64) * per_head
-    return kv_indptr, head_kv_indices
+    kv_lens = torch.full((batch,), per_head, device=device, dtype=torch.int64)
+    return slots, kv_lens
 
 
 def draft_step_attention(
@@ -591,18 +593,16 @@ def draft_step_attention(
 ) -> StepAttention:
     """Draft decode: write the new K/V, then attend over each KV head's budget + 32 slots."""
     new_slots = pool.new_token_slots(1, device)
-    kv_indptr, head_kv_indices = draft_slot_lists(pool, budget, device)
+    head_slots, kv_lens = draft_slot_lists(pool, budget, device)
     if device.type == "cuda":
         from magicdec_kernels.sparse_decode_triton import sparse_decode_triton as sparse_decode
     else:
-        # Triton needs CUDA; the torch version reads kv_indptr on the host.
-        sparse_decode = sparse_decode_torch
-        kv_indptr = kv_indptr.cpu()
+        sparse_decode = sparse_decode_torch  # Triton needs CUDA
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         pool.k[layer].index_copy_(0, new_slots, k)
         pool.v[layer].index_copy_(0, new_slots, v)
-        return sparse_decode(q, pool.k[layer], pool.v[layer], kv_indptr, head_kv_indices, scale)
+        return sparse_decode(q, pool.k[layer], pool.v[layer], head_slots, kv_lens, scale)
 
     return attend
 

@@ -27,8 +27,8 @@ def _sparse_decode_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
-    indptr_ptr,
     indices_ptr,
+    lens_ptr,
     out_ptr,
     scale,
     head_dim,
@@ -43,6 +43,7 @@ def _sparse_decode_kernel(
     stride_v_slot,
     stride_v_head,
     stride_v_dim,
+    stride_idx_req,
     stride_idx_head,
     stride_idx_col,
     stride_out_req,
@@ -62,8 +63,7 @@ def _sparse_decode_kernel(
     row_valid = group_rows < group
     q_heads = kv_head * group + group_rows
 
-    start = tl.load(indptr_ptr + request).to(tl.int64)
-    end = tl.load(indptr_ptr + request + 1).to(tl.int64)
+    end = tl.load(lens_ptr + request).to(tl.int64)
 
     q_tile = tl.load(
         q_ptr
@@ -77,12 +77,15 @@ def _sparse_decode_kernel(
     row_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
-    num_blocks = tl.cdiv(end - start, BLOCK_N)
+    num_blocks = tl.cdiv(end, BLOCK_N)
     for block in range(0, num_blocks):
-        col = start + block * BLOCK_N + cols
+        col = block * BLOCK_N + cols
         col_valid = col < end
         slots = tl.load(
-            indices_ptr + kv_head * stride_idx_head + col * stride_idx_col,
+            indices_ptr
+            + request * stride_idx_req
+            + kv_head * stride_idx_head
+            + col * stride_idx_col,
             mask=col_valid,
             other=0,
         ).to(tl.int64)
@@ -128,14 +131,14 @@ def sparse_decode_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    head_kv_indices: torch.Tensor,
+    head_slots: torch.Tensor,
+    kv_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(q·kᵀ·scale)·v over each (request, KV head)'s slot list. Returns [B, Hq, Dv].
 
-    `kv_indptr` and `head_kv_indices` should already be on q's device (they are moved if not).
+    `head_slots` and `kv_lens` should already be on q's device (they are moved if not).
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, v_dim = k_cache.shape[1], v_cache.shape[2]
@@ -150,14 +153,14 @@ def sparse_decode_triton(
     block_dv = triton.next_power_of_2(v_dim)
     block_keys = MAX_PRODUCT_TILE // (block_g * max(block_d, block_dv))
     block_keys = min(MAX_BLOCK_KEYS, max(MIN_BLOCK_KEYS, triton.next_power_of_2(block_keys)))
-    kv_indptr = kv_indptr.to(q.device)
-    head_kv_indices = head_kv_indices.to(q.device)
+    head_slots = head_slots.to(q.device)
+    kv_lens = kv_lens.to(q.device)
     _sparse_decode_kernel[(batch, num_kv_heads)](
         q,
         k_cache,
         v_cache,
-        kv_indptr,
-        head_kv_indices,
+        head_slots,
+        kv_lens,
         out,
         scale,
         head_dim,
@@ -166,7 +169,7 @@ def sparse_decode_triton(
         *q.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
-        *head_kv_indices.stride(),
+        *head_slots.stride(),
         *out.stride(),
         BLOCK_G=block_g,
         BLOCK_N=block_keys,

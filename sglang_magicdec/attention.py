@@ -1,10 +1,11 @@
 """`magicdec_cpu`: an SGLang attention backend that reads an explicit KV-slot list per request.
 
 Registered in SGLang's attention registry by the plugin and chosen by default on our CPU platform.
-Extend, decode and target-verify all reduce to `index_attention_torch` over the request's slot
-list; the lists are built once per forward (shared by every layer). A speculative worker that
-wants a request to attend to a subset of its slots (the MagicDec draft) hands the lists in through
-`spec_info.kv_indptr / kv_indices`, exactly as SGLang's triton and flashinfer backends accept them.
+Extend, decode and target-verify reduce to `index_attention_torch` over each request's slot list,
+planned once per forward (shared by every layer). The MagicDec draft's decode steps hand in
+their own slots through `spec_info.head_slots / kv_lens` (per layer and KV head, padded:
+`sparse_decode_attention`) or, for a selection shared by every head, `kv_indptr / kv_indices`,
+exactly as SGLang's triton and flashinfer backends accept them.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from magicdec_kernels.index_attention import KeyPieces, index_attention_torch, plan_requests
+from magicdec_kernels.index_attention import AttentionPlan, index_attention_torch, plan_requests
 from magicdec_kernels.sparse_decode import sparse_decode_attention
 
 if TYPE_CHECKING:
@@ -32,10 +33,16 @@ class SlotLists:
     q_indptr: torch.Tensor  # CPU int64 [batch + 1]
     kv_indptr: torch.Tensor  # CPU int64 [batch + 1]
     kv_indices: torch.Tensor  # int64 [total] on the KV device
-    plans: list[KeyPieces | None]  # how each request's keys are read, shared by all layers
-    # [layers, Hkv, total]: every layer and KV head reads its own slots (SnapKV draft); then
-    # kv_indptr delimits requests along the last dim and kv_indices/plans are unused.
-    head_kv_indices: torch.Tensor | None = None
+    plan: AttentionPlan  # how the keys are read, shared by all layers
+
+
+@dataclass
+class DraftSlots:
+    """A MagicDec draft step: request b's KV head h in layer l reads
+    head_slots[l, b, h, :kv_lens[b]] (dims of size 1 broadcast)."""
+
+    head_slots: torch.Tensor
+    kv_lens: torch.Tensor
 
 
 def build_slot_lists(
@@ -53,9 +60,10 @@ def build_slot_lists(
     kv_indptr = torch.zeros(len(kv_lens) + 1, dtype=torch.int64)
     kv_indptr[1:] = torch.tensor(kv_lens, dtype=torch.int64).cumsum(0)
     pieces = []
+    q_bounds = q_indptr.tolist()
     for r, (pool_idx, prefix_len) in enumerate(zip(req_pool_indices, prefix_lens, strict=True)):
         pieces.append(req_to_token[pool_idx, :prefix_len])
-        pieces.append(out_cache_loc[int(q_indptr[r]) : int(q_indptr[r + 1])])
+        pieces.append(out_cache_loc[q_bounds[r] : q_bounds[r + 1]])
     kv_indices = torch.cat(pieces).to(torch.int64) if pieces else out_cache_loc.new_empty(0)
     return planned(q_indptr, kv_indptr, kv_indices)
 
@@ -74,18 +82,15 @@ class IndexAttnBackend(AttentionBackend):
         self.device = model_runner.device
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         self.token_to_kv_pool = model_runner.token_to_kv_pool
-        self.forward_metadata: SlotLists | None = None
+        self.forward_metadata: SlotLists | DraftSlots | None = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         mode = forward_batch.forward_mode
         spec_info = forward_batch.spec_info
         batch = forward_batch.batch_size
         q_indptr = torch.arange(batch + 1, dtype=torch.int64)
-        if mode.is_decode() and getattr(spec_info, "head_kv_indices", None) is not None:
-            kv_indptr = spec_info.kv_indptr.cpu().to(torch.int64)
-            self.forward_metadata = SlotLists(
-                q_indptr, kv_indptr, None, [], head_kv_indices=spec_info.head_kv_indices
-            )
+        if mode.is_decode() and getattr(spec_info, "head_slots", None) is not None:
+            self.forward_metadata = DraftSlots(spec_info.head_slots, spec_info.kv_lens)
             return
         if mode.is_decode() and getattr(spec_info, "kv_indices", None) is not None:
             # A caller-chosen subset of slots per request (the MagicDec draft).
@@ -133,13 +138,14 @@ class IndexAttnBackend(AttentionBackend):
         meta = self.forward_metadata
         q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         out = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
-        if meta.head_kv_indices is not None:
+        if isinstance(meta, DraftSlots):
+            head_slots = meta.head_slots[layer.layer_id if meta.head_slots.shape[0] > 1 else 0]
             sparse_decode_attention(
                 q,
                 self.token_to_kv_pool.get_key_buffer(layer.layer_id),
                 self.token_to_kv_pool.get_value_buffer(layer.layer_id),
-                meta.kv_indptr,
-                meta.head_kv_indices[layer.layer_id],
+                head_slots.expand(-1, layer.tp_k_head_num, -1),
+                meta.kv_lens,
                 layer.scaling,
                 out=out,
             )
@@ -153,7 +159,7 @@ class IndexAttnBackend(AttentionBackend):
             meta.kv_indices,
             layer.scaling,
             out=out,
-            plans=meta.plans,
+            plan=meta.plan,
         )
         return out.view(q.shape[0], -1)
 

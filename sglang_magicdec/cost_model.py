@@ -89,6 +89,12 @@ class Decision:
     reason: str  # "model", "exploring", or the calibration step being measured
 
 
+def bucket_key(bucket: tuple[int, int]) -> str:
+    """How a (batch size, mean context) bucket is named in `/get_server_info`."""
+    batch, context = bucket
+    return f"batch<={batch},context<={context}"
+
+
 class CostModel:
     """Picks γ per batch: argmax over γ ∈ {0..γ_max} of predicted tokens/s,
     Σ_requests Ω(γ, α_r) / (γ·T_draft + T_verify(γ)), against batch / T_decode for γ = 0.
@@ -97,9 +103,15 @@ class CostModel:
     (powers of two). A bucket calibrates itself: its first rounds are `calibration_rounds` plain
     steps, then as many γ_max rounds. After that, whichever of plain and speculative wins, one
     round of the other every `explore_every` rounds keeps both costs (and the requests' α)
-    current, so neither a cold first measurement nor a change of load fixes γ for good. α is
-    estimated per request from its own verify rounds (accepted drafts / tested drafts), starting
-    from `prior_alpha` worth `prior_weight` drafts.
+    current, so neither a cold first measurement nor a change of load fixes γ for good.
+
+    α is estimated per request from its own verify rounds (accepted drafts / tested drafts),
+    starting from a prior worth `prior_weight` drafts: the server's recent acceptance over all
+    requests (an exponential average with `recent_decay` per round), or `prior_alpha` before
+    this server has verified anything, so a new request starts where requests have been.
+
+    Hysteresis: a bucket keeps its current γ unless another one is predicted faster by more than
+    `hysteresis` (relative), so noise in the measured costs does not flap γ round to round.
     """
 
     def __init__(
@@ -109,16 +121,22 @@ class CostModel:
         prior_weight: float = 4.0,
         explore_every: int = 16,
         calibration_rounds: int = 2,
+        hysteresis: float = 0.03,
+        recent_decay: float = 0.98,
     ):
         self.gamma_max = gamma_max
         self.prior_alpha = prior_alpha
         self.prior_weight = prior_weight
         self.explore_every = explore_every
         self.calibration_rounds = calibration_rounds
+        self.hysteresis = hysteresis
+        self.recent_decay = recent_decay
         self.costs: dict[tuple[int, int], StepCosts] = {}
         self._drafts: dict[str, tuple[float, float]] = {}  # rid -> (kept, tested)
+        self._recent: tuple[float, float] = (0.0, 0.0)  # decayed (kept, tested), all requests
         self.last: Decision | None = None
         self.decisions: dict[tuple[int, int], Decision] = {}  # the latest per bucket
+        self._settled: dict[tuple[int, int], int] = {}  # the model's latest γ per bucket
 
     @staticmethod
     def bucket(batch_size: int, mean_context: float) -> tuple[int, int]:
@@ -149,18 +167,31 @@ class CostModel:
         costs.rounds_since_speculation = 0
 
     def record_acceptance(self, rids: list[str], accept_lens: list[int], gamma: int) -> None:
+        round_kept = round_tested = 0
         for rid, accepted in zip(rids, accept_lens, strict=True):
             kept = accepted - 1
             tested = kept + (1 if kept < gamma else 0)  # drafts after a rejection are untested
             old_kept, old_tested = self._drafts.get(rid, (0.0, 0.0))
             self._drafts[rid] = (old_kept + kept, old_tested + tested)
+            round_kept += kept
+            round_tested += tested
+        recent_kept, recent_tested = self._recent
+        self._recent = (
+            recent_kept * self.recent_decay + round_kept,
+            recent_tested * self.recent_decay + round_tested,
+        )
 
     def forget(self, rid: str) -> None:
         self._drafts.pop(rid, None)
 
+    def prior(self) -> float:
+        """α a request starts from: the server's recent acceptance, once it has some."""
+        kept, tested = self._recent
+        return kept / tested if tested >= self.prior_weight else self.prior_alpha
+
     def alpha(self, rid: str) -> float:
         kept, tested = self._drafts.get(rid, (0.0, 0.0))
-        return (kept + self.prior_alpha * self.prior_weight) / (tested + self.prior_weight)
+        return (kept + self.prior() * self.prior_weight) / (tested + self.prior_weight)
 
     # -- the decision ------------------------------------------------------------------------
 
@@ -172,7 +203,9 @@ class CostModel:
         elif costs.speculative_rounds < self.calibration_rounds or costs.verify_extra is None:
             decision = Decision(self.gamma_max, 1.0, "calibrating speculation")
         else:
-            decision = self.best(costs, [self.alpha(rid) for rid in rids])
+            alphas = [self.alpha(rid) for rid in rids]
+            decision = self.best(costs, alphas, self._settled.get(bucket))
+            self._settled[bucket] = decision.gamma
             if decision.gamma == 0 and costs.rounds_since_speculation >= self.explore_every:
                 decision = Decision(self.gamma_max, decision.predicted_speedup, "exploring")
             elif decision.gamma > 0 and costs.rounds_since_plain >= self.explore_every:
@@ -180,12 +213,14 @@ class CostModel:
         self.last = self.decisions[bucket] = decision
         return decision
 
-    def best(self, costs: StepCosts, alphas: list[float]) -> Decision:
-        plain_rate = len(alphas) / costs.decode
-        best_gamma, best_rate = 0, plain_rate
+    def best(self, costs: StepCosts, alphas: list[float], current: int | None = None) -> Decision:
+        """The γ with the highest predicted tokens/s; `current` (the bucket's γ so far) stays
+        unless beaten by more than the hysteresis margin."""
+        rates = [len(alphas) / costs.decode]
         for gamma in range(1, self.gamma_max + 1):
             tokens = sum(expected_tokens_per_round(gamma, alpha) for alpha in alphas)
-            rate = tokens / round_time(gamma, costs.draft, costs.verify(gamma))
-            if rate > best_rate:
-                best_gamma, best_rate = gamma, rate
-        return Decision(best_gamma, best_rate / plain_rate, "model")
+            rates.append(tokens / round_time(gamma, costs.draft, costs.verify(gamma)))
+        best_gamma = max(range(len(rates)), key=rates.__getitem__)
+        if current is not None and rates[best_gamma] <= rates[current] * (1 + self.hysteresis):
+            best_gamma = current
+        return Decision(best_gamma, rates[best_gamma] / rates[0], "model")

@@ -3,6 +3,8 @@ detokenizer), so whatever we register here exists wherever SGLang looks for it."
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from sglang_magicdec.platforms import ATTENTION_BACKEND
 
 
@@ -47,34 +49,49 @@ def add_server_info(result, controller, state: dict, *args, **kwargs):
     return result
 
 
-# SnapKV summaries live beside the radix cache and follow its requests and evictions. SGLang
-# documents `on_release` as the place to "drop per-request state kept outside the tree"; eviction
-# (all paths go through `_evict`) and `reset` (flush_cache) have no public seam, so they are
-# hooked directly.
+# SnapKV summaries and γ = auto's per-request state live beside the radix cache and follow its
+# requests and evictions. SGLang documents `on_release` as the place to "drop per-request state
+# kept outside the tree"; eviction (all paths go through `_evict`) and `reset` (flush_cache) have
+# no public seam, so they are hooked directly. The hooks are registered once per process and
+# tell whoever subscribed: the MagicDec worker of this process (`subscribe_to_radix_cache`).
 RADIX_CACHE = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
 
 
-def _request_released(result, cache, req, *args, **kwargs):
-    from sglang_magicdec import summaries
+class RadixCacheListener(Protocol):
+    def request_released(self, rid: str) -> None: ...
+    def kv_freed(self) -> None: ...
+    def cache_reset(self) -> None: ...
 
-    if summaries.ACTIVE is not None:
-        summaries.ACTIVE.request_released(req.rid)
+
+_radix_cache_listeners: list[RadixCacheListener] = []
+
+
+def subscribe_to_radix_cache(listener: RadixCacheListener) -> None:
+    """`listener` hears of released requests, evictions and resets of this process's cache."""
+    if listener not in _radix_cache_listeners:
+        _radix_cache_listeners.append(listener)
+
+
+def unsubscribe_from_radix_cache(listener: RadixCacheListener) -> None:
+    if listener in _radix_cache_listeners:
+        _radix_cache_listeners.remove(listener)
+
+
+def _request_released(result, cache, req, *args, **kwargs):
+    for listener in _radix_cache_listeners:
+        listener.request_released(req.rid)
     return result
 
 
 def _kv_evicted(result, *args, **kwargs):
-    from sglang_magicdec import summaries
-
-    if summaries.ACTIVE is not None:
-        summaries.ACTIVE.kv_freed()
+    for listener in _radix_cache_listeners:
+        listener.kv_freed()
     return result
 
 
 def _cache_reset(result, *args, **kwargs):
-    from sglang_magicdec import summaries
-
-    if summaries.ACTIVE is not None:
-        summaries.ACTIVE.cache_reset()
+    for listener in _radix_cache_listeners:
+        listener.cache_reset()
     return result
 
 

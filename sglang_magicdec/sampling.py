@@ -84,3 +84,14 @@ def chain_rejection_sample(
     tokens = torch.cat([draft_tokens, torch.zeros_like(draft_tokens[:, :1])], dim=1)
     tokens[rows, num_kept] = last
     return tokens, (num_kept + 1).to(torch.int32)
+
+
+def greedy_accept(tokens: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Greedy verification of a chain: [B] tokens committed per request.
+
+    `tokens` [B, γ+1] are the round's x0 and drafts d1..dγ; `target` [B, γ+1] the target's
+    argmax after each prefix tokens[:, :j+1]. Draft d_j is kept while every draft before it
+    was; the target's own token after the last kept one is committed too, so 1..γ+1.
+    """
+    agrees = (tokens[:, 1:] == target[:, :-1]).to(torch.int32)
+    return agrees.cumprod(dim=1).sum(dim=1, dtype=torch.int32) + 1

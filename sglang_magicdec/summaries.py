@@ -160,9 +160,3 @@ class SummaryStore:
     @staticmethod
     def _key(tokens: tuple[int, ...]) -> tuple[int, int]:
         return len(tokens), hash(tokens)
-
-
-# This process's MagicDec worker when it drafts with SnapKV: the radix-cache hooks (plugin.py)
-# tell it about released requests (`request_released(rid)`), evictions (`kv_freed()`) and
-# cache resets (`cache_reset()`).
-ACTIVE = None

@@ -34,47 +34,86 @@ from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.spec_info import SpecInput, SpecInputType
 
-from sglang_magicdec import summaries as summaries_module
 from sglang_magicdec.config import MagicDecConfig
-from sglang_magicdec.cost_model import CostModel, StepCosts
-from sglang_magicdec.drafts import SnapKVDraft, StreamingDraft
-from sglang_magicdec.observer import PendingWindow, WindowObserver
-from sglang_magicdec.sampling import chain_rejection_sample, sample_from, sampling_probs
-from sglang_magicdec.summaries import Summary, SummaryStore
+from sglang_magicdec.cost_model import CostModel, StepCosts, bucket_key
+from sglang_magicdec.drafts import make_selection
+from sglang_magicdec.plugin import subscribe_to_radix_cache
+from sglang_magicdec.sampling import (
+    chain_rejection_sample,
+    greedy_accept,
+    sample_from,
+    sampling_probs,
+)
 
 logger = logging.getLogger(__name__)
 
 
 class MagicDecInput(SpecInput):
     """What a MagicDec forward hands SGLang: token positions and, for draft steps, each
-    request's KV slots: `kv_indptr/kv_indices` shared by all heads (the path SGLang's decode
-    backends read), or `head_kv_indices` [layers, Hkv, total] when every layer and KV head reads
-    its own slots (SnapKV). Nothing is carried between rounds, so filtering and merging batches
-    is a no-op."""
+    request's draft slots for this round, `head_slots` [layers or 1, B, Hkv or 1, W] (padded;
+    dims of size 1 broadcast) of which request b reads the first `kv_lens[b]`. A selection
+    shared by all heads also comes as `kv_indptr/kv_indices`, the path SGLang's own decode
+    backends read. Nothing is carried between rounds, so filtering and merging batches is a
+    no-op."""
 
     def __init__(
         self,
         draft_token_num: int,
         positions: torch.Tensor | None = None,
+        head_slots: torch.Tensor | None = None,
+        kv_lens: torch.Tensor | None = None,
         kv_indptr: torch.Tensor | None = None,
         kv_indices: torch.Tensor | None = None,
-        head_kv_indices: torch.Tensor | None = None,
     ):
-        is_draft = kv_indptr is not None
+        is_draft = head_slots is not None
         super().__init__(SpecInputType.EAGLE_DRAFT if is_draft else SpecInputType.NGRAM_VERIFY)
         self.draft_token_num = draft_token_num
         self.num_tokens_per_req = draft_token_num
         self.num_tokens_for_logprob_per_req = draft_token_num
         self.positions = positions
+        self.head_slots = head_slots
+        self.kv_lens = kv_lens
         self.kv_indptr = kv_indptr
         self.kv_indices = kv_indices
-        self.head_kv_indices = head_kv_indices
 
     def filter_batch(self, new_indices: torch.Tensor, new_indices_cpu=None) -> None:
         pass
 
     def merge_batch(self, spec_info: SpecInput) -> None:
         pass
+
+
+@dataclass
+class DraftRound:
+    """One round's draft slots, built once and read by all γ draft steps: request b's
+    selection (`selected[b]` slots) followed by the round's reserved slots, padded.
+
+    head_slots  [layers or 1, B, Hkv or 1, selected.max() + γ] int64 pool slots
+    selected    [B] slots of each request's selection; step j reads selected + j + 1
+    """
+
+    head_slots: torch.Tensor
+    selected: torch.Tensor
+
+    def step_input(self, step: int, positions: torch.Tensor) -> MagicDecInput:
+        kv_lens = self.selected + step + 1
+        kv_indptr = kv_indices = None
+        if self.head_slots.shape[0] == 1 and self.head_slots.shape[2] == 1:
+            # One list for every layer and head: also SGLang's ragged kv_indptr/kv_indices
+            # (int32 offsets, int64 slots: the dtypes its triton/flashinfer decode backends use).
+            slots = self.head_slots[0, :, 0]
+            width = torch.arange(slots.shape[1], device=slots.device)
+            kv_indices = slots[width[None, :] < kv_lens[:, None]]
+            kv_indptr = torch.zeros(kv_lens.numel() + 1, dtype=torch.int32, device=slots.device)
+            kv_indptr[1:] = kv_lens.cumsum(0)
+        return MagicDecInput(
+            draft_token_num=1,
+            positions=positions,
+            head_slots=self.head_slots,
+            kv_lens=kv_lens,
+            kv_indptr=kv_indptr,
+            kv_indices=kv_indices,
+        )
 
 
 @dataclass
@@ -122,25 +161,15 @@ class MagicDecWorker(BaseSpecWorker):
         self.gamma: int = get_spec().speculative_num_steps
         self.num_draft_tokens: int = get_spec().speculative_num_draft_tokens
         assert self.num_draft_tokens == self.gamma + 1
-        config = self.config
-        # Streaming is also SnapKV's fallback for prompts it could not summarise.
-        self.streaming = StreamingDraft(budget=config.budget, sinks=config.sinks)
-        self.snapkv: SnapKVDraft | None = None
-        if config.draft == "snapkv":
-            self.snapkv = SnapKVDraft(
-                budget=config.budget,
-                obs_window=config.obs_window,
-                pool=config.pool,
-                pool_kernel=config.pool_kernel,
-            )
-            self.summaries = SummaryStore(share_min_len=config.share_min_len)
-            self.observer = WindowObserver(self.model_runner.model)
-            self.num_layers = len(self.observer.layers)
+        self.draft = make_selection(self.config, self.model_runner.model)
         self.stats = AcceptanceStats()
-        self.cost_model = CostModel(gamma_max=self.gamma) if config.gamma == "auto" else None
-        summaries_module.ACTIVE = self
+        self.cost_model = CostModel(gamma_max=self.gamma) if self.config.gamma == "auto" else None
+        subscribe_to_radix_cache(self)
         logger.info(
-            "MagicDec: %s, gamma=%d, dense below %d tokens", config, self.gamma, config.dense_below
+            "MagicDec: %s, gamma=%d, dense below %d tokens",
+            self.config,
+            self.gamma,
+            self.config.dense_below,
         )
 
     def server_info(self) -> dict:
@@ -152,7 +181,7 @@ class MagicDecWorker(BaseSpecWorker):
             "gamma": self.gamma,
             **self.stats.summary(),
             **self._gamma_info(),
-            **(self.summaries.info() if self.snapkv else {}),
+            **self.draft.info(),
         }
 
     @property
@@ -167,12 +196,194 @@ class MagicDecWorker(BaseSpecWorker):
     def forward_batch_generation(
         self, batch: ScheduleBatch, on_publish=None, pp_proxy_tensors=None
     ) -> GenerationBatchResult:
-        if batch.forward_mode.is_decode():
-            gamma = self._choose_gamma(batch) if self._can_speculate(batch) else 0
-            if gamma > 0:
-                return self._speculate(batch, on_publish, gamma)
+        if not batch.forward_mode.is_decode():
+            return self._extend(batch, on_publish, pp_proxy_tensors)
+        gamma = self._choose_gamma(batch) if self._can_speculate(batch) else 0
+        if gamma == 0:
             return self._plain_decode(batch, on_publish)
-        return self._extend(batch, on_publish, pp_proxy_tensors)
+        return self._speculate(batch, on_publish, gamma)
+
+    # -- extend: the target as usual (the draft watches) ----------------------------------------
+
+    def _extend(self, batch, on_publish, pp_proxy_tensors) -> GenerationBatchResult:
+        req_to_token = self.req_to_token_pool.req_to_token
+        self.draft.before_extend(batch, req_to_token)
+        failed = True
+        try:
+            result = self.target_worker.forward_batch_generation(
+                batch, pp_proxy_tensors=pp_proxy_tensors
+            )
+            failed = False
+        finally:
+            self.draft.after_extend(
+                batch, req_to_token, self.model_runner.token_to_kv_pool, failed=failed
+            )
+        if on_publish is not None:
+            on_publish(batch.seq_lens)
+        # Extend results carry one token per request, unpadded (the prefill's first token).
+        result.accept_lens = torch.ones_like(batch.seq_lens, dtype=torch.int32)
+        result.new_seq_lens = batch.seq_lens
+        result.next_draft_input = MagicDecInput(draft_token_num=self.num_draft_tokens)
+        result.speculative_num_draft_tokens = self.num_draft_tokens
+        return result
+
+    # -- decode: draft, verify, accept, commit ------------------------------------------------
+
+    def _speculate(self, batch: ScheduleBatch, on_publish, gamma: int) -> GenerationBatchResult:
+        bucket = self._bucket(batch)
+        # The round's bookkeeping (slots, draft selections, uniforms) is part of its cost: the
+        # cost model counts it in the draft steps.
+        started = self._clock()
+        committed = batch.seq_lens.to(torch.int64)
+        round_slots = self._round_slots(batch, committed, gamma + 1)
+        draft_round = self._draft_round(batch, committed, round_slots)
+        tokens = self._last_tokens(batch)
+        greedy = batch.sampling_info.is_all_greedy
+        if not greedy:
+            params = self._sampling_params(batch)
+            uniforms = self._uniforms(batch, committed, gamma)  # draft draws, tests, last draw
+            draft_probs = []
+
+        for step in range(gamma):
+            logits = self._draft_step(batch, committed, step, tokens, draft_round, round_slots)
+            if greedy:
+                next_tokens = logits.argmax(dim=-1)
+            else:
+                draft_probs.append(sampling_probs(logits, *params))
+                next_tokens = sample_from(draft_probs[-1], uniforms[:, step])
+            tokens = torch.cat([tokens, next_tokens[:, None]], dim=1)
+
+        drafted = self._clock()
+        verify = self._verify(batch, committed, tokens, round_slots)
+        verified = self._clock()
+        logits = verify.logits_output.next_token_logits
+        if greedy:
+            # `target[b, j]`: the target's token after tokens[b, :j+1].
+            target = logits.argmax(dim=-1).view(tokens.shape)
+            accept_lens = greedy_accept(tokens, target)
+        else:
+            width = gamma + 1
+            target_probs = sampling_probs(
+                logits, *(param.repeat_interleave(width) for param in params)
+            ).view(len(batch.reqs), width, -1)
+            target, accept_lens = chain_rejection_sample(
+                tokens[:, 1:],
+                torch.stack(draft_probs, dim=1),
+                target_probs,
+                uniforms[:, gamma : 2 * gamma],
+                uniforms[:, 2 * gamma],
+            )
+        self.stats.record(accept_lens, gamma)
+        if self.cost_model is not None:
+            self.cost_model.record_round(
+                bucket, gamma, (drafted - started) / gamma, verified - drafted
+            )
+            rids = [req.rid for req in batch.reqs]
+            self.cost_model.record_acceptance(rids, accept_lens.tolist(), gamma)
+        if batch.return_logprob:
+            # Verify row b·(γ+1)+j is the target's distribution of target[b, j].
+            compute_spec_logprobs(
+                batch, verify.logits_output, target.reshape(-1), chain_stride=gamma + 1
+            )
+        new_seq_lens = batch.seq_lens + accept_lens
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        return self._result(verify, target, accept_lens, new_seq_lens)
+
+    def _plain_decode(self, batch: ScheduleBatch, on_publish) -> GenerationBatchResult:
+        """One ordinary decode step (γ = 0) in the round's first reserved slot."""
+        bucket = self._bucket(batch)
+        started = self._clock()
+        committed = batch.seq_lens.to(torch.int64)
+        batch.input_ids = self._last_tokens(batch)[:, 0]
+        batch.out_cache_loc = self._round_slots(batch, committed, 1)[:, 0]
+        self._set_lens(batch, committed + 1)
+        batch.spec_info = None
+        result = self.target_worker.forward_batch_generation(batch)
+        if self.cost_model is not None:
+            self.cost_model.record_decode(bucket, self._clock() - started)
+        if batch.return_logprob:
+            # Sampling computed them (its logits are probabilities by now); the scheduler reads a
+            # speculative batch's logprobs as one row per request.
+            output = result.logits_output
+            output.next_token_logprobs = output.next_token_logprobs.view(-1, 1)
+        new_seq_lens = committed.to(torch.int32) + 1
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        return self._result(
+            result, result.next_token_ids.view(-1, 1), torch.ones_like(new_seq_lens), new_seq_lens
+        )
+
+    def _draft_round(
+        self, batch: ScheduleBatch, committed: torch.Tensor, round_slots: torch.Tensor
+    ) -> DraftRound:
+        """Each request's draft slots for this round, resolved once: the draft selection's
+        slots (its whole context below `--magicdec-min-context`), then the round's slots."""
+        req_to_token = self.req_to_token_pool.req_to_token
+        gamma = round_slots.shape[1] - 1
+        selections = []
+        for req, row_index, length in zip(
+            batch.reqs, batch.req_pool_indices.tolist(), committed.tolist(), strict=True
+        ):
+            row = req_to_token[row_index]
+            if length < self.config.dense_below:
+                slots = row[:length].to(torch.int64)[None, None]
+            else:
+                slots = self.draft.slots(req, row, length)
+            if self.config.debug:
+                self._check_selection(req, row, length, slots)
+            selections.append(slots)
+        layers = max(slots.shape[0] for slots in selections)
+        heads = max(slots.shape[1] for slots in selections)
+        selected = torch.tensor([slots.shape[-1] for slots in selections], dtype=torch.int64)
+        head_slots = torch.zeros(
+            layers, len(selections), heads, int(selected.max()) + gamma, dtype=torch.int64
+        )
+        for b, slots in enumerate(selections):
+            count = slots.shape[-1]
+            head_slots[:, b, :, :count] = slots
+            head_slots[:, b, :, count : count + gamma] = round_slots[b, :gamma]
+        return DraftRound(head_slots.to(self.device), selected.to(self.device))
+
+    def _draft_step(self, batch, committed, step, tokens, draft_round, round_slots) -> torch.Tensor:
+        """DECODE of token `step` at position S+step over the draft slots; returns logits."""
+        batch.forward_mode = ForwardMode.DECODE
+        batch.input_ids = tokens[:, step].contiguous()
+        batch.out_cache_loc = round_slots[:, step].contiguous()
+        self._set_lens(batch, committed + step + 1)
+        batch.spec_info = draft_round.step_input(step, (committed + step).to(self.device))
+        result = self.target_worker.forward_batch_generation(batch, is_verify=True)
+        return result.logits_output.next_token_logits
+
+    def _verify(self, batch, committed, tokens, round_slots) -> GenerationBatchResult:
+        """TARGET_VERIFY over [x0, d1..dγ] at S..S+γ, full attention, exact KV into the slots."""
+        width = tokens.shape[1]
+        offsets = torch.arange(width, dtype=torch.int64)
+        batch.forward_mode = ForwardMode.TARGET_VERIFY
+        batch.input_ids = tokens.reshape(-1).contiguous()
+        batch.out_cache_loc = round_slots[:, :width].reshape(-1).contiguous()
+        self._set_lens(batch, committed)
+        batch.spec_info = MagicDecInput(
+            draft_token_num=width,
+            positions=(committed[:, None] + offsets).reshape(-1).to(self.device),
+        )
+        return self.target_worker.forward_batch_generation(batch, is_verify=True)
+
+    # -- γ per batch ---------------------------------------------------------------------------
+
+    def _can_speculate(self, batch: ScheduleBatch) -> bool:
+        """Greedy and sampled requests speculate. Whatever rewrites the target's logits per
+        token (penalties, logit bias, custom logit processors, grammars) takes a plain decode
+        step, and so does sampling with logprobs: SGLang reports those from its own sampler."""
+        info = batch.sampling_info
+        penalties = info.penalizer_orchestrator
+        return (
+            not batch.has_grammar
+            and info.logit_bias is None
+            and not info.has_custom_logit_processor
+            and (penalties is None or not penalties.is_required)
+            and (info.is_all_greedy or not batch.return_logprob)
+        )
 
     def _choose_gamma(self, batch: ScheduleBatch) -> int:
         """γ for this round: fixed, or the cost model's pick for this batch (0 = plain step)."""
@@ -202,20 +413,23 @@ class MagicDecWorker(BaseSpecWorker):
             "current_gamma": None if last is None else last.gamma,
             "predicted_speedup": None if last is None else last.predicted_speedup,
             "gamma_reason": None if last is None else last.reason,
+            "alpha_prior": self.cost_model.prior(),
             # The latest decision per (batch size, mean context) bucket, both rounded up to
             # powers of two.
             "gamma_by_bucket": {
-                f"batch<={batch},context<={context}": {
+                bucket_key(bucket): {
                     "gamma": decision.gamma,
                     "predicted_speedup": decision.predicted_speedup,
                     "reason": decision.reason,
-                    **self.cost_model.costs.get((batch, context), StepCosts()).milliseconds(),
+                    **self.cost_model.costs.get(bucket, StepCosts()).milliseconds(),
                 }
-                for (batch, context), decision in sorted(self.cost_model.decisions.items())
+                for bucket, decision in sorted(self.cost_model.decisions.items())
             },
         }
 
-    def _bucket(self, batch: ScheduleBatch) -> tuple[int, int]:
+    def _bucket(self, batch: ScheduleBatch) -> tuple[int, int] | None:
+        if self.cost_model is None:
+            return None
         return CostModel.bucket(len(batch.reqs), self._mean_context(batch))
 
     @staticmethod
@@ -223,266 +437,27 @@ class MagicDecWorker(BaseSpecWorker):
         seq_lens = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else batch.seq_lens.cpu()
         return float(seq_lens.sum()) / max(len(batch.reqs), 1)
 
-    # -- extend: the target as usual -------------------------------------------------------
-
-    def _extend(self, batch, on_publish, pp_proxy_tensors) -> GenerationBatchResult:
-        if self.snapkv is not None:
-            self._plan_summaries(batch)
-        try:
-            result = self.target_worker.forward_batch_generation(
-                batch, pp_proxy_tensors=pp_proxy_tensors
-            )
-        finally:
-            if self.snapkv is not None:
-                self.observer.disarm()
-        if self.snapkv is not None:
-            self._compute_summaries(batch)
-        if on_publish is not None:
-            on_publish(batch.seq_lens)
-        # Extend results carry one token per request, unpadded (the prefill's first token).
-        result.accept_lens = torch.ones_like(batch.seq_lens, dtype=torch.int32)
-        result.new_seq_lens = batch.seq_lens
-        result.next_draft_input = MagicDecInput(draft_token_num=self.num_draft_tokens)
-        result.speculative_num_draft_tokens = self.num_draft_tokens
-        return result
-
-    # -- SnapKV summaries: planned before a prefill forward, computed after it ---------------
-
-    def _plan_summaries(self, batch: ScheduleBatch) -> None:
-        """Per request starting its prefill: reuse a shared summary of a prefix of its prompt,
-        or watch its prompt's observation window to compute one; arm the observer."""
-        req_to_token = self.req_to_token_pool.req_to_token
-        window = self.snapkv.obs_window
-        for req, row, prefix_len in zip(
-            batch.reqs, batch.req_pool_indices.tolist(), batch.prefix_lens, strict=True
-        ):
-            rid = req.rid
-            if rid in self.observer.pending or self.summaries.held_by(rid) is not None:
-                continue  # a later chunk of a prompt already planned
-            prompt = req.origin_input_ids
-            prompt_len = len(prompt)
-            if prompt_len < self.config.dense_below:
-                continue  # drafts with its whole context
-            shared = self.summaries.find(prompt)
-            # A reuser keeps its own suffix as recent tokens: only worth it while that is short.
-            if shared is not None and prompt_len - shared.length <= self.config.budget:
-                cached_slots = req_to_token[row, :prefix_len].to(torch.int64)
-                self.summaries.acquire(rid, shared, computed=False, cached_slots=cached_slots)
-                self._report(req, "reused", shared)
-            elif prefix_len <= prompt_len - window:
-                self.observer.pending[rid] = PendingWindow(prompt_len, window)
-            else:  # window already cached and no summary of it: streaming draft
-                self._report(req, "none", None)
-        self.observer.observe([req.rid for req in batch.reqs], batch.prefix_lens, batch.extend_lens)
-
-    def _compute_summaries(self, batch: ScheduleBatch) -> None:
-        """Score the prompts whose whole observation window has been seen (their KV is in the
-        pool in every layer now) and hand each its summary."""
-        req_to_token = self.req_to_token_pool.req_to_token
-        kv_pool = self.model_runner.token_to_kv_pool
-        for req, row in zip(batch.reqs, batch.req_pool_indices.tolist(), strict=True):
-            pending = self.observer.pending.get(req.rid)
-            if pending is None or not pending.complete:
-                continue
-            del self.observer.pending[req.rid]
-            prompt_slots = req_to_token[row, : pending.prompt_len].to(torch.int64)
-            positions = torch.stack(
-                [
-                    self.snapkv.select_layer(
-                        pending.queries[layer.layer_id],
-                        kv_pool.get_key_buffer(layer.layer_id),
-                        prompt_slots,
-                        layer.scaling,
-                    )
-                    for layer in sorted(self.observer.layers, key=lambda layer: layer.layer_id)
-                ]
-            )
-            summary = Summary(
-                tokens=tuple(req.origin_input_ids),
-                positions=positions.to(torch.int32),
-                prompt_slots=prompt_slots[:-1].to("cpu", copy=True),  # not a view of the row
-            )
-            self.summaries.acquire(req.rid, summary, computed=True)
-            self._report(req, "computed", summary)
-
-    @staticmethod
-    def _report(req, status: str, summary: Summary | None) -> None:
-        """The request's `meta_info["magicdec_summary"]`, through SGLang's per-request
-        `customized_info` channel (a one-entry list: it rides with the first output token)."""
-        info = {"status": status}
-        if summary is not None:
-            info.update(prefix_len=summary.length, digest=summary.digest)
-        req.customized_info = {"magicdec_summary": [info]}
+    # -- radix cache events (plugin.subscribe_to_radix_cache) ---------------------------------
 
     def request_released(self, rid: str) -> None:
         """SGLang freed the request's KV (finished, aborted or retracted): drop what we keep."""
         if self.cost_model is not None:
             self.cost_model.forget(rid)
-        if self.snapkv is not None:
-            self.summaries.release(rid)
-            self.observer.pending.pop(rid, None)
+        self.draft.request_released(rid)
 
     def kv_freed(self) -> None:
-        """The radix cache evicted: drop unheld summaries whose prompt KV is gone."""
-        if self.snapkv is None:
-            return
+        """The radix cache evicted: the draft drops what refers to freed KV."""
         allocator = self.token_to_kv_pool_allocator
         free = allocator.get_all_free_pages().to(torch.int64).cpu()
         if allocator.page_size > 1:
             free = free[:, None] * allocator.page_size + torch.arange(allocator.page_size)
             free = free.reshape(-1)
-        self.summaries.drop_freed(free)
+        self.draft.kv_freed(free)
 
     def cache_reset(self) -> None:
-        if self.snapkv is not None:
-            self.summaries.clear_unheld()
+        self.draft.cache_reset()
 
-    # -- decode: draft, verify, accept, commit ----------------------------------------------
-
-    def _can_speculate(self, batch: ScheduleBatch) -> bool:
-        """Greedy and sampled requests speculate. Whatever rewrites the target's logits per
-        token (penalties, logit bias, custom logit processors, grammars) takes a plain decode
-        step, and so does sampling with logprobs: SGLang reports those from its own sampler."""
-        info = batch.sampling_info
-        penalties = info.penalizer_orchestrator
-        return (
-            not batch.has_grammar
-            and info.logit_bias is None
-            and not info.has_custom_logit_processor
-            and (penalties is None or not penalties.is_required)
-            and (info.is_all_greedy or not batch.return_logprob)
-        )
-
-    def _speculate(self, batch: ScheduleBatch, on_publish, gamma: int) -> GenerationBatchResult:
-        bucket = self._bucket(batch) if self.cost_model is not None else None
-        # The round's bookkeeping (slots, draft selections, uniforms) is part of its cost: the
-        # cost model counts it in the draft steps.
-        started = self._clock()
-        rids = [req.rid for req in batch.reqs]
-        committed = batch.seq_lens.to(torch.int64)
-        round_slots = self._round_slots(batch, committed, self.num_draft_tokens)
-        draft_slots = self._draft_slots(batch, committed)
-        tokens = self._last_tokens(batch)
-        greedy = batch.sampling_info.is_all_greedy
-        if not greedy:
-            params = self._sampling_params(batch)
-            uniforms = self._uniforms(batch, committed, gamma)  # draft draws, tests, last draw
-            draft_probs = []
-
-        for step in range(gamma):
-            logits = self._draft_step(batch, committed, step, tokens, draft_slots, round_slots)
-            if greedy:
-                next_tokens = logits.argmax(dim=-1)
-            else:
-                draft_probs.append(sampling_probs(logits, *params))
-                next_tokens = sample_from(draft_probs[-1], uniforms[:, step])
-            tokens = torch.cat([tokens, next_tokens[:, None]], dim=1)
-
-        drafted = self._clock()
-        verify = self._verify(batch, committed, tokens, round_slots)
-        verified = self._clock()
-        logits = verify.logits_output.next_token_logits
-        if greedy:
-            # `target[b, j]`: the target's token after tokens[b, :j+1]; it commits the agreeing
-            # prefix of the drafts, then its own token.
-            target = logits.argmax(dim=-1).view(tokens.shape)
-            agrees = (tokens[:, 1:] == target[:, :-1]).to(torch.int32)
-            accept_lens = agrees.cumprod(dim=1).sum(dim=1, dtype=torch.int32) + 1
-        else:
-            width = gamma + 1
-            target_probs = sampling_probs(
-                logits, *(param.repeat_interleave(width) for param in params)
-            ).view(len(batch.reqs), width, -1)
-            target, accept_lens = chain_rejection_sample(
-                tokens[:, 1:],
-                torch.stack(draft_probs, dim=1),
-                target_probs,
-                uniforms[:, gamma : 2 * gamma],
-                uniforms[:, 2 * gamma],
-            )
-        self.stats.record(accept_lens, gamma)
-        if self.cost_model is not None:
-            self.cost_model.record_round(
-                bucket, gamma, (drafted - started) / gamma, verified - drafted
-            )
-            self.cost_model.record_acceptance(rids, accept_lens.tolist(), gamma)
-        if batch.return_logprob:
-            # Verify row b·(γ+1)+j is the target's distribution of target[b, j].
-            compute_spec_logprobs(
-                batch, verify.logits_output, target.reshape(-1), chain_stride=gamma + 1
-            )
-        new_seq_lens = batch.seq_lens + accept_lens
-        if on_publish is not None:
-            on_publish(new_seq_lens)
-        return self._result(verify, target, accept_lens, new_seq_lens)
-
-    def _plain_decode(self, batch: ScheduleBatch, on_publish) -> GenerationBatchResult:
-        """One ordinary decode step (γ = 0) in the round's first reserved slot."""
-        bucket = self._bucket(batch) if self.cost_model is not None else None
-        started = self._clock()
-        committed = batch.seq_lens.to(torch.int64)
-        batch.input_ids = self._last_tokens(batch)[:, 0]
-        batch.out_cache_loc = self._round_slots(batch, committed, 1)[:, 0]
-        self._set_lens(batch, committed + 1)
-        batch.spec_info = None
-        result = self.target_worker.forward_batch_generation(batch)
-        if self.cost_model is not None:
-            self.cost_model.record_decode(bucket, self._clock() - started)
-        if batch.return_logprob:
-            # Sampling computed them (its logits are probabilities by now); the scheduler reads a
-            # speculative batch's logprobs as one row per request.
-            output = result.logits_output
-            output.next_token_logprobs = output.next_token_logprobs.view(-1, 1)
-        new_seq_lens = committed.to(torch.int32) + 1
-        if on_publish is not None:
-            on_publish(new_seq_lens)
-        return self._result(
-            result, result.next_token_ids.view(-1, 1), torch.ones_like(new_seq_lens), new_seq_lens
-        )
-
-    def _draft_step(self, batch, committed, step, tokens, draft_slots, round_slots) -> torch.Tensor:
-        """DECODE of token `step` at position S+step over the draft slots; returns logits."""
-        this_round = round_slots[:, : step + 1]
-        if self.snapkv is None:
-            kv_lists = [torch.cat([slots, this_round[i]]) for i, slots in enumerate(draft_slots)]
-        else:  # [layers, Hkv, n] per request: the round's tokens are read by every head
-            kv_lists = [
-                torch.cat([slots, this_round[i].expand(*slots.shape[:2], -1)], dim=-1)
-                for i, slots in enumerate(draft_slots)
-            ]
-        # int32 offsets, int64 slots: the dtypes SGLang's triton/flashinfer decode backends use.
-        kv_indptr = torch.zeros(len(kv_lists) + 1, dtype=torch.int32)
-        kv_indptr[1:] = torch.tensor([slots.shape[-1] for slots in kv_lists]).cumsum(0)
-        all_slots = torch.cat(kv_lists, dim=-1).to(self.device)
-        batch.forward_mode = ForwardMode.DECODE
-        batch.input_ids = tokens[:, step].contiguous()
-        batch.out_cache_loc = round_slots[:, step].contiguous()
-        self._set_lens(batch, committed + step + 1)
-        batch.spec_info = MagicDecInput(
-            draft_token_num=1,
-            positions=(committed + step).to(self.device),
-            kv_indptr=kv_indptr.to(self.device),
-            kv_indices=all_slots if self.snapkv is None else None,
-            head_kv_indices=all_slots if self.snapkv is not None else None,
-        )
-        result = self.target_worker.forward_batch_generation(batch, is_verify=True)
-        return result.logits_output.next_token_logits
-
-    def _verify(self, batch, committed, tokens, round_slots) -> GenerationBatchResult:
-        """TARGET_VERIFY over [x0, d1..dγ] at S..S+γ, full attention, exact KV into the slots."""
-        width = tokens.shape[1]
-        offsets = torch.arange(width, dtype=torch.int64)
-        batch.forward_mode = ForwardMode.TARGET_VERIFY
-        batch.input_ids = tokens.reshape(-1).contiguous()
-        batch.out_cache_loc = round_slots[:, :width].reshape(-1).contiguous()
-        self._set_lens(batch, committed)
-        batch.spec_info = MagicDecInput(
-            draft_token_num=width,
-            positions=(committed[:, None] + offsets).reshape(-1).to(self.device),
-        )
-        return self.target_worker.forward_batch_generation(batch, is_verify=True)
-
-    # -- helpers ----------------------------------------------------------------------------
+    # -- helpers ------------------------------------------------------------------------------
 
     @staticmethod
     def _sampling_params(batch: ScheduleBatch) -> tuple[torch.Tensor, ...]:
@@ -510,69 +485,26 @@ class MagicDecWorker(BaseSpecWorker):
                 rows.append(torch.rand(width, generator=generator))
         return torch.stack(rows).to(self.device)
 
-    def _draft_slots(self, batch: ScheduleBatch, committed: torch.Tensor) -> list[torch.Tensor]:
-        """Pool slots of each request's draft selection among its committed positions: [n] per
-        request, or [layers, Hkv, n] with SnapKV (each layer and KV head its own)."""
-        req_to_token = self.req_to_token_pool.req_to_token
-        all_slots = []
-        for req, row, length in zip(
-            batch.reqs, batch.req_pool_indices.tolist(), committed.tolist(), strict=True
-        ):
-            prompt_len = len(req.origin_input_ids)
-            summary = self.summaries.held_by(req.rid) if self.snapkv is not None else None
-            if length < self.config.dense_below:
-                positions = torch.arange(length)
-            elif summary is None:
-                positions = self.streaming.select(length, prompt_len)
-            else:
-                positions = self.snapkv.recent(summary.length, length, prompt_len)
-            slots = req_to_token[row, positions.to(req_to_token.device)].to(torch.int64)
-            if self.snapkv is not None:
-                shape = (self.num_layers, self.observer.layers[0].tp_k_head_num, -1)
-                slots = slots.expand(shape)
-                if summary is not None and length >= self.config.dense_below:
-                    chosen = req_to_token[row][summary.positions.to(req_to_token.device).long()]
-                    slots = torch.cat([chosen.to(torch.int64), slots], dim=-1)
-                    # Follow the prompt's KV where the holder has it now: SGLang moves a row
-                    # onto the radix tree's copy when it caches a prompt another request
-                    # already cached (and frees the duplicate).
-                    summary.prompt_slots = req_to_token[row, : summary.length - 1].to(
-                        "cpu", copy=True
-                    )
-            if self.config.debug:
-                self._check_selection(row, length, slots, summary, req)
-            all_slots.append(slots)
-        return all_slots
-
-    def _check_selection(
-        self, row: int, length: int, selected: torch.Tensor, summary: Summary | None, req=None
-    ) -> None:
-        """Debug mode: every selected slot belongs to the request's live committed KV, and the
-        request's summary still describes KV that is allocated."""
-        live = self.req_to_token_pool.req_to_token[row, :length].to(torch.int64)
-        selected = selected.unique()
+    def _check_selection(self, req, row: torch.Tensor, length: int, slots: torch.Tensor) -> None:
+        """Debug mode: every selected slot belongs to the request's live committed KV, none is
+        free, and the draft's own state (SnapKV's summary) describes allocated KV."""
+        live = row[:length].to(torch.int64)
+        selected = slots.unique()
         assert bool(torch.isin(selected, live).all()), "draft selection points outside live KV"
         allocator = self.token_to_kv_pool_allocator
         free = allocator.get_all_free_pages()
-        if free is not None and free.numel():
-            free = free.to(torch.int64)
-            pages = selected // allocator.page_size
-            if bool(torch.isin(pages, free).any()):
-                row_slots = self.req_to_token_pool.req_to_token[row, :length].to(torch.int64)
-                bad = torch.nonzero(torch.isin(row_slots // allocator.page_size, free)).flatten()
-                raise AssertionError(
-                    f"draft selection points at freed KV: rid={getattr(req, 'rid', None)} "
-                    f"length={length} prompt={len(req.origin_input_ids) if req else None} "
-                    f"freed positions={bad.tolist()[:20]} n={bad.numel()} "
-                    f"retractions={getattr(req, 'retraction_count', None)} "
-                    f"protected={getattr(getattr(req, 'kv', None), 'cache_protected_len', None)} "
-                    f"output={len(req.output_ids) if req else None} summary={summary is not None}"
-                )
-            if summary is not None:
-                summary_pages = summary.prompt_slots // allocator.page_size
-                assert not bool(torch.isin(summary_pages, free).any()), (
-                    "a held summary refers to freed KV slots"
-                )
+        if free is None or not free.numel():
+            return
+        free = free.to(torch.int64)
+        if bool(torch.isin(selected // allocator.page_size, free).any()):
+            bad = torch.nonzero(torch.isin(live // allocator.page_size, free)).flatten()
+            raise AssertionError(
+                f"draft selection points at freed KV: rid={req.rid} length={length} "
+                f"prompt={len(req.origin_input_ids)} freed positions={bad.tolist()[:20]} "
+                f"n={bad.numel()} retractions={getattr(req, 'retraction_count', None)} "
+                f"output={len(req.output_ids)}"
+            )
+        self.draft.check(req, row, length, free, allocator.page_size)
 
     def _round_slots(
         self, batch: ScheduleBatch, committed: torch.Tensor, width: int

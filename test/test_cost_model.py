@@ -7,6 +7,7 @@ from sglang_magicdec.cost_model import (
     StepCosts,
     alpha_from_accept_length,
     expected_tokens_per_round,
+    round_time,
 )
 
 
@@ -108,10 +109,41 @@ def test_keeps_measuring_plain_steps_while_speculation_wins():
 
 
 def test_alpha_per_request_from_its_rounds():
-    model = CostModel(gamma_max=3, prior_alpha=0.5, prior_weight=2)
-    assert model.alpha("new") == 0.5
+    model = CostModel(gamma_max=3, prior_alpha=0.5, prior_weight=2, recent_decay=1.0)
+    assert model.alpha("new") == 0.5  # nothing verified yet: the configured prior
     model.record_acceptance(["r"], [4], gamma=3)  # 3 kept of 3 tested
     model.record_acceptance(["r"], [2], gamma=3)  # 1 kept, then a rejection: 2 tested
-    assert model.alpha("r") == pytest.approx((4 + 1) / (5 + 2))
+    server_alpha = 4 / 5
+    assert model.prior() == pytest.approx(server_alpha)
+    assert model.alpha("r") == pytest.approx((4 + server_alpha * 2) / (5 + 2))
     model.forget("r")
-    assert model.alpha("r") == 0.5
+    assert model.alpha("r") == pytest.approx(server_alpha)
+
+
+def test_new_requests_start_from_the_servers_recent_acceptance():
+    """A new request's α is the recent acceptance of the server, weighted to the latest rounds,
+    not the fixed prior: at α ≈ 0.9 a batch of fresh requests must not look like α = 0.7."""
+    model = CostModel(gamma_max=3, prior_alpha=0.7, prior_weight=4, recent_decay=0.9)
+    for _ in range(50):  # a long stretch of poor acceptance, long ago
+        model.record_acceptance(["old"], [1], gamma=3)
+    for _ in range(50):  # recent rounds: everything accepted
+        model.record_acceptance(["recent"], [4], gamma=3)
+    assert model.alpha("fresh") > 0.95
+
+
+def test_hysteresis_keeps_gamma_against_small_predicted_gains():
+    costs = StepCosts(decode=0.100, draft=0.010, verify_extra=0.002)
+    alphas = [0.8] * 4
+    best = CostModel(gamma_max=3).best(costs, alphas).gamma
+    rates = {
+        gamma: sum(expected_tokens_per_round(gamma, a) for a in alphas)
+        / round_time(gamma, costs.draft, costs.verify(gamma))
+        for gamma in range(1, 4)
+    }
+    runner_up = max((g for g in rates if g != best), key=rates.__getitem__)
+    gain = rates[best] / rates[runner_up] - 1
+    # A margin above the predicted gain keeps the current γ; one below it lets the best win.
+    assert CostModel(3, hysteresis=gain * 1.1).best(costs, alphas, runner_up).gamma == runner_up
+    assert CostModel(3, hysteresis=gain * 0.9).best(costs, alphas, runner_up).gamma == best
+    # Against γ = 0 (plain rate far below) the best γ wins at the default margin.
+    assert CostModel(3).best(costs, alphas, current=0).gamma == best

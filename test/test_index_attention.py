@@ -3,11 +3,13 @@
 import pytest
 import torch
 
+from magicdec_kernels import index_attention
 from magicdec_kernels.index_attention import (
     MAX_PLANNED_Q_LEN,
+    MIN_SPLIT_RUN,
     MIN_VIEW_RUN,
     index_attention_torch,
-    plan_pieces,
+    plan_requests,
     reference_attention,
 )
 
@@ -86,20 +88,55 @@ def test_arbitrary_slot_subset_is_what_is_attended():
 
 
 def test_plan_reads_long_runs_in_place_and_gathers_the_rest():
-    slots = torch.cat([torch.arange(100, 100 + MIN_VIEW_RUN + 5), torch.tensor([7, 3, 9000])])
-    pieces = plan_pieces(slots, q_len=2)
-    assert pieces.runs == [(100, MIN_VIEW_RUN + 5)]
-    assert pieces.scattered.tolist() == [7, 3, 9000]
-    assert pieces.key_pos.tolist() == list(range(slots.numel()))
+    """Visible contiguous runs are read in place (split in two when long); short pieces and the
+    query tokens themselves are gathered."""
+    long_run = torch.arange(5000, 5000 + MIN_SPLIT_RUN + 1)  # odd: one key left to gather
+    short_run = torch.arange(100, 100 + MIN_VIEW_RUN - 1)
+    queries = torch.tensor([7, 3])  # a verify pass of 2 tokens in scattered slots
+    slots = torch.cat([long_run, short_run, queries])
+    plan = plan_requests(torch.tensor([0, 2]), torch.tensor([0, slots.numel()]), slots)
+    assert plan.runs == [(0, 5000, MIN_SPLIT_RUN, 2)]
+    assert plan.run_owner.tolist() == [0, 0]
+    gathered = plan.gather_slots[0].tolist()
+    assert gathered == [5000 + MIN_SPLIT_RUN, *short_run.tolist(), 7, 3]
+    # The first query row must not see the second query token; the second sees everything.
+    assert plan.gather_hidden[0, 0].tolist() == [False] * (len(gathered) - 1) + [True]
+    assert not plan.gather_hidden[0, 1].any()
 
 
-def test_long_query_uses_fused_path_consistently():
-    """Prefill chunks above the planned size take the SDPA path; both agree with the oracle."""
+def test_head_major_pool_reads_the_same_keys():
+    """Our CPU pool stores [Hkv, slots, D] and hands out the [slots, Hkv, D] view."""
+    q, k_cache, v_cache, q_indptr, kv_indptr, kv_indices = _ragged_case(
+        [1, 4], [MIN_SPLIT_RUN + 300, 700]
+    )
+    k_head_major = k_cache.permute(1, 0, 2).contiguous().permute(1, 0, 2)
+    v_head_major = v_cache.permute(1, 0, 2).contiguous().permute(1, 0, 2)
+    case = (q, k_head_major, v_head_major, q_indptr, kv_indptr, kv_indices)
+    torch.testing.assert_close(
+        index_attention_torch(*case, 0.125).double(),
+        reference_attention(q, k_cache, v_cache, q_indptr, kv_indptr, kv_indices, 0.125),
+        atol=2e-5,
+        rtol=1e-4,
+    )
+
+
+def test_long_query_takes_the_fused_path(monkeypatch):
+    """Prefill chunks above the planned size take the SDPA path (and only they do); both paths
+    agree with the oracle in one batch."""
+    calls = []
+    fused = index_attention._fused_sdpa
+
+    def counting(q, *args):
+        calls.append(q.shape[0])
+        return fused(q, *args)
+
+    monkeypatch.setattr(index_attention, "_fused_sdpa", counting)
     q_len = MAX_PLANNED_Q_LEN + 1
-    case = _ragged_case([q_len], [q_len + 40])
+    case = _ragged_case([q_len, MAX_PLANNED_Q_LEN, 1], [q_len + 40, 300, 90])
     torch.testing.assert_close(
         index_attention_torch(*case, 0.125).double(),
         reference_attention(*case, 0.125),
         atol=2e-5,
         rtol=1e-4,
     )
+    assert calls == [q_len]

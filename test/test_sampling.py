@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_magicdec.sampling import chain_rejection_sample, sample_from, sampling_probs
+from sglang_magicdec.sampling import (
+    chain_rejection_sample,
+    greedy_accept,
+    sample_from,
+    sampling_probs,
+)
 
 SAMPLES = 400_000
 # 5 standard deviations of a frequency estimated from SAMPLES draws (p(1-p) <= 1/4).
@@ -89,3 +94,23 @@ def test_sampling_probs_transforms():
 def test_sample_from_inverse_cdf():
     probs = torch.tensor([[0.0, 0.25, 0.0, 0.75]] * 3)
     assert sample_from(probs, torch.tensor([0.0, 0.3, 0.9999999])).tolist() == [1, 3, 3]
+
+
+def test_greedy_accept_keeps_the_agreeing_prefix_plus_the_targets_token():
+    tokens = torch.tensor(
+        [
+            [5, 1, 2, 3],  # all three drafts agree: 3 drafts + the bonus token
+            [5, 1, 9, 3],  # second draft wrong: d1 + the target's correction
+            [5, 9, 2, 3],  # first draft wrong, later ones agree by chance: only the correction
+            [5, 1, 2, 9],  # last draft wrong
+        ]
+    )
+    target = torch.tensor([[1, 2, 3, 4]] * 4)
+    assert greedy_accept(tokens, target).tolist() == [4, 2, 1, 3]
+    assert greedy_accept(tokens, target).dtype == torch.int32
+
+
+def test_greedy_accept_with_gamma_one():
+    tokens = torch.tensor([[7, 8], [7, 0]])
+    target = torch.tensor([[8, 4], [8, 4]])
+    assert greedy_accept(tokens, target).tolist() == [2, 1]

@@ -15,6 +15,9 @@ import torch
 from torch.nn.functional import avg_pool1d, max_pool1d
 
 from magicdec_kernels.snapkv_scores import snapkv_window_scores
+from sglang_magicdec.drafts.streaming import StreamingDraft
+from sglang_magicdec.observer import PendingWindow, WindowObserver
+from sglang_magicdec.summaries import Summary, SummaryStore
 
 
 @dataclass(frozen=True)
@@ -73,3 +76,145 @@ class SnapKVDraft:
         return torch.cat(
             [torch.arange(summary_len, prompt_len), torch.arange(generated_start, committed_len)]
         )
+
+
+class SnapKVSelection:
+    """The SnapKV draft inside the server: its summaries' whole lifecycle.
+
+    Before a prefill forward (`before_extend`), each request starting its prompt either reuses
+    a shared summary of a prefix of its prompt or has its observation window watched (the
+    observer's attention hooks); after the forward (`after_extend`), prompts whose window is
+    complete are scored and hold their summary. Each round, `slots` resolves the request's
+    summary positions through its own `req_to_token` row, plus its recent tokens. Summaries are
+    released with the request's KV and dropped when the radix cache frees their prompt.
+    Requests without a summary (the window was already cached) draft with the streaming policy.
+    """
+
+    name = "snapkv"
+
+    def __init__(
+        self,
+        policy: SnapKVDraft,
+        *,
+        fallback: StreamingDraft,
+        model: torch.nn.Module,
+        share_min_len: int,
+        min_context: int,
+    ):
+        self.policy = policy
+        self.fallback = fallback
+        self.min_context = min_context
+        self.store = SummaryStore(share_min_len=share_min_len)
+        self.observer = WindowObserver(model)
+        self.layers = sorted(self.observer.layers, key=lambda layer: layer.layer_id)
+
+    # -- prefill: plan, observe, score --------------------------------------------------------
+
+    def before_extend(self, batch, req_to_token: torch.Tensor) -> None:
+        """Per request starting its prefill: reuse a shared summary of a prefix of its prompt,
+        or watch its prompt's observation window to compute one; arm the observer."""
+        window = self.policy.obs_window
+        for req, row, prefix_len in zip(
+            batch.reqs, batch.req_pool_indices.tolist(), batch.prefix_lens, strict=True
+        ):
+            rid = req.rid
+            if rid in self.observer.pending or self.store.held_by(rid) is not None:
+                continue  # a later chunk of a prompt already planned
+            prompt = req.origin_input_ids
+            prompt_len = len(prompt)
+            if prompt_len < self.min_context:
+                continue  # drafts with its whole context
+            shared = self.store.find(prompt)
+            # A reuser keeps its own suffix as recent tokens: only worth it while that is short.
+            if shared is not None and prompt_len - shared.length <= self.policy.budget:
+                cached_slots = req_to_token[row, :prefix_len].to(torch.int64)
+                self.store.acquire(rid, shared, computed=False, cached_slots=cached_slots)
+                _report(req, "reused", shared)
+            elif prefix_len <= prompt_len - window:
+                self.observer.pending[rid] = PendingWindow(prompt_len, window)
+            else:  # window already cached and no summary of it: streaming draft
+                _report(req, "none", None)
+        self.observer.observe([req.rid for req in batch.reqs], batch.prefix_lens, batch.extend_lens)
+
+    def after_extend(self, batch, req_to_token: torch.Tensor, kv_pool, failed: bool) -> None:
+        """Disarm the hooks (always: kvpress removes its hooks in `finally` too); unless the
+        forward failed, score the prompts whose whole window has been seen (their KV is in the
+        pool in every layer now) and hand each its summary."""
+        self.observer.disarm()
+        if failed:
+            return
+        for req, row in zip(batch.reqs, batch.req_pool_indices.tolist(), strict=True):
+            pending = self.observer.pending.get(req.rid)
+            if pending is None or not pending.complete:
+                continue
+            del self.observer.pending[req.rid]
+            prompt_slots = req_to_token[row, : pending.prompt_len].to(torch.int64)
+            positions = torch.stack(
+                [
+                    self.policy.select_layer(
+                        pending.queries[layer.layer_id],
+                        kv_pool.get_key_buffer(layer.layer_id),
+                        prompt_slots,
+                        layer.scaling,
+                    )
+                    for layer in self.layers
+                ]
+            )
+            summary = Summary(
+                tokens=tuple(req.origin_input_ids),
+                positions=positions.to(torch.int32),
+                prompt_slots=prompt_slots[:-1].to("cpu", copy=True),  # not a view of the row
+            )
+            self.store.acquire(req.rid, summary, computed=True)
+            _report(req, "computed", summary)
+
+    # -- decode: the draft's slots ------------------------------------------------------------
+
+    def slots(self, req, row: torch.Tensor, committed_len: int) -> torch.Tensor:
+        """[layers, Hkv, n] pool slots of `req`'s draft ([1, 1, n] without a summary)."""
+        prompt_len = len(req.origin_input_ids)
+        summary = self.store.held_by(req.rid)
+        if summary is None:
+            positions = self.fallback.select(committed_len, prompt_len)
+            return row[positions.to(row.device)].to(torch.int64)[None, None]
+        recent = self.policy.recent(summary.length, committed_len, prompt_len)
+        chosen = row[summary.positions.to(row.device).long()]
+        recent_slots = row[recent.to(row.device)].expand(*chosen.shape[:2], -1)
+        # Follow the prompt's KV where the holder has it now: SGLang moves a row onto the radix
+        # tree's copy when it caches a prompt another request already cached (and frees the
+        # duplicate).
+        summary.prompt_slots = row[: summary.length - 1].to("cpu", copy=True)
+        return torch.cat([chosen, recent_slots], dim=-1).to(torch.int64)
+
+    def check(self, req, row: torch.Tensor, committed_len: int, free_pages, page_size) -> None:
+        """Debug mode: the request's summary still describes KV that is allocated."""
+        summary = self.store.held_by(req.rid)
+        if summary is not None and free_pages is not None and free_pages.numel():
+            summary_pages = summary.prompt_slots // page_size
+            assert not bool(torch.isin(summary_pages, free_pages.cpu()).any()), (
+                "a held summary refers to freed KV slots"
+            )
+
+    # -- radix cache events -------------------------------------------------------------------
+
+    def request_released(self, rid: str) -> None:
+        self.store.release(rid)
+        self.observer.pending.pop(rid, None)
+
+    def kv_freed(self, free_slots: torch.Tensor) -> None:
+        self.store.drop_freed(free_slots)
+
+    def cache_reset(self) -> None:
+        self.store.clear_unheld()
+
+    def info(self) -> dict:
+        return self.store.info()
+
+
+def _report(req, status: str, summary: Summary | None) -> None:
+    """The request's `meta_info["magicdec_summary"]`, through SGLang's per-request
+    `customized_info` channel (a one-entry list: it rides with the first output token)."""
+    info = {"status": status}
+    if summary is not None:
+        info.update(prefix_len=summary.length, digest=summary.digest)
+    req.customized_info = {"magicdec_summary": [info]}

@@ -30,3 +30,39 @@ class StreamingDraft:
         return torch.cat([torch.arange(0, sink_end), torch.arange(recent_start, committed_len)]).to(
             torch.int64
         )
+
+
+class StreamingSelection:
+    """The streaming draft inside the server: stateless, the same slots for every layer/head."""
+
+    name = "streaming"
+
+    def __init__(self, policy: StreamingDraft):
+        self.policy = policy
+
+    def slots(self, req, row: torch.Tensor, committed_len: int) -> torch.Tensor:
+        """[1, 1, n] pool slots of `req`'s draft, `row` its `req_to_token` row."""
+        positions = self.policy.select(committed_len, len(req.origin_input_ids))
+        return row[positions.to(row.device)].to(torch.int64)[None, None]
+
+    # Nothing kept across requests.
+    def before_extend(self, batch, req_to_token: torch.Tensor) -> None:
+        pass
+
+    def after_extend(self, batch, req_to_token: torch.Tensor, kv_pool, failed: bool) -> None:
+        pass
+
+    def request_released(self, rid: str) -> None:
+        pass
+
+    def kv_freed(self, free_slots: torch.Tensor) -> None:
+        pass
+
+    def cache_reset(self) -> None:
+        pass
+
+    def check(self, req, row: torch.Tensor, committed_len: int, free_pages, page_size) -> None:
+        pass
+
+    def info(self) -> dict:
+        return {}
