@@ -28,7 +28,7 @@ lint: install
 	$(PY) -m ruff check .
 
 test: install lint
-	$(PY) -m pytest -ra
+	$(PY) -m pytest -ra --durations=15
 
 bench: install
 	$(PY) -m benchmark.suite

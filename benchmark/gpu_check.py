@@ -47,6 +47,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from magicdec_kernels.snapkv_scores import snapkv_window_scores_torch  # noqa: E402
 from magicdec_kernels.sparse_decode import sparse_decode_torch  # noqa: E402
+from sglang_magicdec.cost_model import expected_tokens_per_round, round_time  # noqa: E402
 
 # The SnapKV draft keeps the last 32 tokens of every request besides its `budget` chosen ones.
 RECENT_WINDOW = 32
@@ -97,16 +98,13 @@ TINY_SHAPES = {
 }
 
 
-def expected_tokens_per_round(gamma: int, alpha: float) -> float:
-    """Ω(γ, α) = 1 + α + … + α^γ: tokens a round of γ drafts plus one verify commits on average."""
-    return sum(alpha**k for k in range(gamma + 1))
-
-
 def predicted_speedup(
     gamma: int, alpha: float, t_decode: float, t_draft: float, t_verify: float
 ) -> float:
-    """Tokens per second of speculation over plain decode: Ω·T_decode / (γ·T_draft + T_verify)."""
-    return expected_tokens_per_round(gamma, alpha) * t_decode / (gamma * t_draft + t_verify)
+    """Tokens per second of speculation over plain decode: Ω·T_decode / (γ·T_draft + T_verify),
+    with the server's own cost model (no second copy of Ω or the round time)."""
+    tokens = expected_tokens_per_round(gamma, alpha)
+    return tokens * t_decode / round_time(gamma, t_draft, t_verify)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -39,11 +39,12 @@ from benchmark.common import (
     run_batch,
     save_plot,
 )
-from sglang_magicdec.cost_model import CostModel
+from sglang_magicdec.cost_model import CostModel, bucket_key
 from sglang_magicdec.server_process import ServerProcess, start_server
 
 SOURCE_FILE = {1024: "pg19_4K", 2048: "pg19_4K", 4096: "pg19_8K", 8192: "pg19_16K"}
 SPECULATIVE = ["--speculative-algorithm", "MAGICDEC"]
+MAGICDEC_BUDGET = 512  # the server's default --magicdec-budget
 
 
 def load_prompts(data: Path, context: int, count: int, tokenizer) -> list[list[int]]:
@@ -66,9 +67,8 @@ def decode_tokens_per_s(server: ServerProcess, prompts, new_tokens: int) -> tupl
 def full_batch_decision(url: str, batch: int, context: int, new_tokens: int) -> dict:
     """γ = auto's latest decision for the whole batch: requests finish at different rounds, so
     the very last decision is often for a smaller batch."""
-    size, mean_context = CostModel.bucket(batch, context + new_tokens / 2)
-    info = magicdec_info(url)
-    return info.get("gamma_by_bucket", {}).get(f"batch<={size},context<={mean_context}", {})
+    bucket = CostModel.bucket(batch, context + new_tokens / 2)
+    return magicdec_info(url).get("gamma_by_bucket", {}).get(bucket_key(bucket), {})
 
 
 def measure_against_ar(
@@ -105,6 +105,9 @@ def measure_against_ar(
                 "alpha": statistics.median(alphas[batch]) if alphas[batch] else None,
                 "gamma": decision.get("gamma"),
                 "predicted_speedup": decision.get("predicted_speedup"),
+                # The server's own step costs (γ = auto measures them; fixed γ does not).
+                "decode_ms": decision.get("decode_ms"),
+                "draft_ms": decision.get("draft_ms"),
             }
         )
     return points
@@ -145,6 +148,71 @@ def throughput_table(points: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def read_bandwidth() -> float:
+    """Bytes/s this machine reads: a torch sum over 1 GiB, the best of 5."""
+    import torch
+
+    data = torch.ones(2**28)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * data.element_size() / best
+
+
+def model_bytes() -> tuple[int, int]:
+    """(weight bytes, KV bytes per token over all layers) of the embedded float32 model."""
+    from sglang_magicdec.model import embedded_model_path
+
+    folder = Path(embedded_model_path())
+    config = json.loads((folder / "config.json").read_text())
+    weights = sum(path.stat().st_size for path in folder.glob("*.safetensors"))
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    kv_per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 4
+    return weights, kv_per_token
+
+
+def step_cost_table(points: list[dict], bandwidth: float, budget: int, new_tokens: int) -> str:
+    """Each γ = auto point's measured plain and draft step against the time to read its bytes
+    (weights + the KV it reads) at the measured bandwidth."""
+    weights, kv_per_token = model_bytes()
+    lines = [
+        f"Read bandwidth (torch sum over 1 GiB, best of 5): {bandwidth / 1e9:.1f} GB/s; weights "
+        f"{weights / 1e6:.0f} MB, KV {kv_per_token / 1e3:.1f} kB per token (all layers).\n",
+        "| context | batch | plain step ms | plain floor ms | plain / floor "
+        "| draft step ms | draft floor ms | draft / floor |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for point in points:
+        if point["mode"] != "auto" or point["decode_ms"] is None:
+            continue
+        batch, context = point["batch"], point["context"]
+        plain_floor = (weights + batch * (context + new_tokens / 2) * kv_per_token) / bandwidth
+        # The draft reads its budget of prompt KV, the tokens generated so far and the round's.
+        draft_tokens = min(context, budget) + new_tokens / 2
+        draft_floor = (weights + batch * draft_tokens * kv_per_token) / bandwidth
+        draft_ms = point["draft_ms"]
+        lines.append(
+            f"| {context} | {batch} | {point['decode_ms']:.1f} | {plain_floor * 1e3:.1f} "
+            f"| {point['decode_ms'] / (plain_floor * 1e3):.2f} "
+            f"| {'-' if draft_ms is None else f'{draft_ms:.1f}'} | {draft_floor * 1e3:.1f} "
+            f"| {'-' if draft_ms is None else f'{draft_ms / (draft_floor * 1e3):.2f}'} |"
+        )
+    return "\n".join(lines)
+
+
+def auto_vs_fixed(points: list[dict]) -> str:
+    """γ = auto's speedup against fixed γ's at each point (both measured against AR)."""
+    fixed = {(p["context"], p["batch"]): p["speedup"] for p in points if p["mode"] == "fixed"}
+    pairs = [
+        f"{p['context']}×{p['batch']}: {p['speedup'] / fixed[p['context'], p['batch']]:.2f}"
+        for p in points
+        if p["mode"] == "auto" and (p["context"], p["batch"]) in fixed
+    ]
+    return "γ = auto / fixed γ speedup: " + ", ".join(pairs)
+
+
 def run_script(module: str, args: list[str]) -> None:
     """Run another benchmark of the suite in its own process (it starts its own servers)."""
     subprocess.run([sys.executable, "-m", module, *args], check=True)
@@ -170,6 +238,7 @@ def main() -> None:
 
     tokenizer = load_tokenizer()
     prompts = {c: load_prompts(args.data, c, max(batches), tokenizer) for c in contexts}
+    bandwidth = read_bandwidth()
     if args.base_url:
         points = measure_server(args.base_url, prompts, batches, args.new_tokens, args.repeats)
         (args.out / "throughput.json").write_text(json.dumps(points, indent=2))
@@ -218,6 +287,9 @@ def main() -> None:
         f"new tokens, greedy, default draft, median of {args.repeats} turns)\n",
         "## Throughput: AR vs MagicDec (fixed γ and γ = auto)\n",
         throughput_table(points),
+        "\n" + auto_vs_fixed(points),
+        "\n## Step costs against this machine's read bandwidth\n",
+        step_cost_table(points, bandwidth, MAGICDEC_BUDGET, args.new_tokens),
     ]
     series = {
         f"{mode}, context {context}": (

@@ -1,7 +1,8 @@
 """The MagicDec speculative worker, run by the scheduler for `--speculative-algorithm MAGICDEC`.
 
-Extend batches go to the target model as usual. Each decode round, per request with committed
-length S and last sampled token x0 (its KV not computed yet):
+Extend batches go to the target model as usual (the draft selection watches: SnapKV scores the
+prompt). Each decode round, per request with committed length S and last sampled token x0 (its
+KV not computed yet), once the draft's slots of the whole batch are resolved into one tensor:
 
 1. draft: γ DECODE forwards of the target model itself, whose attention reads only the request's
    draft slots (the draft policy's selection of committed positions, plus this round's tokens),
@@ -32,7 +33,6 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.runtime_context import get_spec
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
-from sglang.srt.speculative.spec_info import SpecInput, SpecInputType
 
 from sglang_magicdec.config import MagicDecConfig
 from sglang_magicdec.cost_model import CostModel, StepCosts, bucket_key
@@ -44,76 +44,9 @@ from sglang_magicdec.sampling import (
     sample_from,
     sampling_probs,
 )
+from sglang_magicdec.spec_info import DraftRound, MagicDecInput
 
 logger = logging.getLogger(__name__)
-
-
-class MagicDecInput(SpecInput):
-    """What a MagicDec forward hands SGLang: token positions and, for draft steps, each
-    request's draft slots for this round, `head_slots` [layers or 1, B, Hkv or 1, W] (padded;
-    dims of size 1 broadcast) of which request b reads the first `kv_lens[b]`. A selection
-    shared by all heads also comes as `kv_indptr/kv_indices`, the path SGLang's own decode
-    backends read. Nothing is carried between rounds, so filtering and merging batches is a
-    no-op."""
-
-    def __init__(
-        self,
-        draft_token_num: int,
-        positions: torch.Tensor | None = None,
-        head_slots: torch.Tensor | None = None,
-        kv_lens: torch.Tensor | None = None,
-        kv_indptr: torch.Tensor | None = None,
-        kv_indices: torch.Tensor | None = None,
-    ):
-        is_draft = head_slots is not None
-        super().__init__(SpecInputType.EAGLE_DRAFT if is_draft else SpecInputType.NGRAM_VERIFY)
-        self.draft_token_num = draft_token_num
-        self.num_tokens_per_req = draft_token_num
-        self.num_tokens_for_logprob_per_req = draft_token_num
-        self.positions = positions
-        self.head_slots = head_slots
-        self.kv_lens = kv_lens
-        self.kv_indptr = kv_indptr
-        self.kv_indices = kv_indices
-
-    def filter_batch(self, new_indices: torch.Tensor, new_indices_cpu=None) -> None:
-        pass
-
-    def merge_batch(self, spec_info: SpecInput) -> None:
-        pass
-
-
-@dataclass
-class DraftRound:
-    """One round's draft slots, built once and read by all γ draft steps: request b's
-    selection (`selected[b]` slots) followed by the round's reserved slots, padded.
-
-    head_slots  [layers or 1, B, Hkv or 1, selected.max() + γ] int64 pool slots
-    selected    [B] slots of each request's selection; step j reads selected + j + 1
-    """
-
-    head_slots: torch.Tensor
-    selected: torch.Tensor
-
-    def step_input(self, step: int, positions: torch.Tensor) -> MagicDecInput:
-        kv_lens = self.selected + step + 1
-        kv_indptr = kv_indices = None
-        if self.head_slots.shape[0] == 1 and self.head_slots.shape[2] == 1:
-            # One list for every layer and head: also SGLang's ragged kv_indptr/kv_indices
-            # (int32 offsets, int64 slots: the dtypes its triton/flashinfer decode backends use).
-            slots = self.head_slots[0, :, 0]
-            width = torch.arange(slots.shape[1], device=slots.device)
-            kv_indices = slots[width[None, :] < kv_lens[:, None]]
-            kv_indptr = torch.zeros(kv_lens.numel() + 1, dtype=torch.int32, device=slots.device)
-            kv_indptr[1:] = kv_lens.cumsum(0)
-        return MagicDecInput(
-            draft_token_num=1,
-            positions=positions,
-            head_slots=self.head_slots,
-            kv_lens=kv_lens,
-            kv_indptr=kv_indptr,
-            kv_indices=kv_indices,
-        )
 
 
 @dataclass

@@ -5,7 +5,12 @@ from the memory free at start-up, and it must hold the whole batch at once."""
 
 from __future__ import annotations
 
-from test.conftest import POOL_ARGS, pg19_texts, run_concurrently
+import pytest
+
+from sglang_magicdec.cost_model import bucket_key
+from test.helpers import POOL_ARGS, pg19_texts, run_concurrently
+
+pytestmark = pytest.mark.server  # starts real SGLang servers
 
 BATCH = 8
 PROMPT_LEN = 4000
@@ -31,5 +36,5 @@ def test_auto_gamma_speculates_at_long_context_and_batch_8(server_factory, token
     assert all(r["meta_info"]["completion_tokens"] == OUTPUT_LEN for r in results)
     # Requests finish at different rounds, so the batch shrinks at the end: read the decision
     # for the full batch, not the last one.
-    full_batch = info["gamma_by_bucket"][f"batch<={BATCH},context<=4096"]
+    full_batch = info["gamma_by_bucket"][bucket_key((BATCH, 4096))]
     assert full_batch["gamma"] >= 1, info

@@ -4,7 +4,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from test.conftest import pg19_texts
+from test.helpers import pg19_texts
+
+pytestmark = pytest.mark.server  # starts real SGLang servers
 
 PROMPT_TOKENS = 2048
 NEW_TOKENS = 32

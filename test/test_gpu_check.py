@@ -53,16 +53,27 @@ def test_json_times_all_step_kinds_for_each_tiny_shape(tiny_run):
         assert all(t["ms"] > 0 for t in timings["verify"].values()), name
 
 
-def test_predicted_speedups_are_finite_and_positive(tiny_run):
+def test_predicted_speedups_follow_the_cost_model_from_the_timings(tiny_run):
+    """Each prediction is Ω(γ, α)·T_decode / (γ·T_draft + T_verify(γ)) of the timings the run
+    recorded, and the reported best γ is the best of those."""
     _, out_dir = tiny_run
     results = json.loads((out_dir / "gpu_check.json").read_text())
     for name, shape in results["shapes"].items():
+        timings = shape["timings"]
+        t_decode, t_draft = timings["decode"]["ms"], timings["draft"]["ms"]
         assert set(shape["predicted_speedup"]) == {"0.8", "0.84", "0.9"}, name
         for alpha, prediction in shape["predicted_speedup"].items():
-            speedups = [prediction["speedup"], *prediction["per_gamma"].values()]
-            assert all(math.isfinite(x) and x > 0 for x in speedups), (name, alpha)
-            assert 1 <= prediction["best_gamma"] <= 6
-            assert prediction["speedup"] == max(prediction["per_gamma"].values())
+            expected = {
+                gamma: (1 - float(alpha) ** (int(gamma) + 1))
+                / (1 - float(alpha))
+                * t_decode
+                / (int(gamma) * t_draft + timings["verify"][gamma]["ms"])
+                for gamma in timings["verify"]
+            }
+            assert prediction["per_gamma"] == pytest.approx(expected), (name, alpha)
+            assert all(math.isfinite(x) and x > 0 for x in expected.values())
+            best = max(expected, key=expected.__getitem__)
+            assert prediction["best_gamma"] == int(best), (name, alpha)
 
 
 def test_kernel_checks_are_skipped_with_a_reason_on_cpu(tiny_run):

@@ -5,7 +5,7 @@ import subprocess
 import pytest
 
 from sglang_magicdec.server_process import LAUNCH
-from test.conftest import REPO
+from test.helpers import REPO
 
 
 def _launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -12,7 +12,7 @@ import time
 import pytest
 import requests
 
-from test.conftest import (
+from test.helpers import (
     GAMMA,
     assert_same_or_tie,
     greedy,
@@ -21,7 +21,9 @@ from test.conftest import (
     run_concurrently,
 )
 
-# The reference per-token acceptance of StreamingLLM at budget 512 (DESIGN.md §4).
+pytestmark = pytest.mark.server  # starts real SGLang servers
+
+# The reference per-token acceptance of StreamingLLM at budget 512 (README, Tests).
 REFERENCE_ALPHA_STREAMING_512 = 0.84
 
 
@@ -154,7 +156,8 @@ def test_server_info_reports_acceptance(spec, long_prompts):
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_logprobs_match_autoregressive(spec, plain, long_prompts, temperature):
     """Greedy requests speculate and report the target's logprobs of the accepted tokens;
-    sampling requests take plain steps (until rejection sampling lands) and still report them."""
+    sampling requests with logprobs take plain steps. Either way each reported logprob is the
+    target's: the plain server's logprob of the same token after the same context."""
     prompt = long_prompts[9][:600]
     params = {"max_new_tokens": 12, "temperature": temperature, "ignore_eos": True}
     payload = {"input_ids": prompt, "sampling_params": params, "return_logprob": True}
@@ -163,9 +166,16 @@ def test_logprobs_match_autoregressive(spec, plain, long_prompts, temperature):
     assert len(logprobs) == 12
     assert [token for _, token, _ in logprobs] == got["output_ids"]
     if temperature == 0.0:
-        expected = plain.generate(payload)
-        assert got["output_ids"] == expected["output_ids"]
-        for (ours, _, _), (theirs, _, _) in zip(
-            logprobs, expected["meta_info"]["output_token_logprobs"], strict=True
-        ):
-            assert ours == pytest.approx(theirs, abs=1e-3)
+        assert got["output_ids"] == plain.generate(payload)["output_ids"]
+    # Teacher-forced on the plain server: the logprob of every output token given its prefix.
+    forced = plain.generate(
+        {
+            "input_ids": prompt + got["output_ids"],
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+            "return_logprob": True,
+            "logprob_start_len": len(prompt),
+        }
+    )["meta_info"]["input_token_logprobs"]
+    assert [token for _, token, _ in forced] == got["output_ids"]
+    for (ours, _, _), (theirs, _, _) in zip(logprobs, forced, strict=True):
+        assert ours == pytest.approx(theirs, abs=1e-3)

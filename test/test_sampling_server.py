@@ -7,7 +7,9 @@ from collections import Counter
 import pytest
 from scipy.stats import chi2
 
-from test.conftest import POOL_ARGS, pg19_texts
+from test.helpers import POOL_ARGS, pg19_texts
+
+pytestmark = pytest.mark.server  # starts real SGLang servers
 
 SAMPLES = 2000
 CHUNK = 250  # requests per /generate call (a list of prompts)

@@ -6,6 +6,8 @@ import requests
 
 from sglang_magicdec.platforms import ATTENTION_BACKEND
 
+pytestmark = pytest.mark.server  # starts real SGLang servers
+
 
 @pytest.fixture(scope="module")
 def server(server_factory):

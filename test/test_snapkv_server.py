@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from test.conftest import (
+from test.helpers import (
     POOL_ARGS,
     REPO,
     assert_same_or_tie,
@@ -27,6 +27,8 @@ from test.conftest import (
 sys.path.insert(0, str(REPO / "python"))
 import agent_loop  # noqa: E402  (the frontend programs live in python/, not a package)
 import shared_doc_qa  # noqa: E402
+
+pytestmark = pytest.mark.server  # starts real SGLang servers
 
 SNAPKV = ("--speculative-algorithm", "MAGICDEC", "--magicdec-draft", "snapkv")
 MIN_ALPHA_GAIN = 0.02  # the SnapKV paper's claim over StreamingLLM at equal budget
