@@ -6,6 +6,13 @@ transformers, measured side by side in one run on this machine.
 Reports decode tokens/s for (a) one short prompt, (b) a batch of 4 PG-19 prompts of 2K tokens.
 Prompts are prefilled first (max_new_tokens=1, then served from the radix cache), so the timed
 request measures decode. Servers run one at a time; the machine has two cores.
+
+    .venv/bin/python benchmark/bench_cpu_backend.py --kernels   # the CPU path's choices only
+
+`--kernels` times, side by side, what the CPU path is built on, at batch 8 × 8K of SmolLM2's
+shape over 30 layers: decode attention on a token-major pool (SGLang's layout) and on our
+head-major one against the time to read that KV at the measured bandwidth, and a decode step's
+linear layers as `F.linear` against the weight-major product (`platforms/torch_ops.py`).
 """
 
 from __future__ import annotations
@@ -57,8 +64,70 @@ def _hf_rate(model_path: str, input_ids: list[int], new_tokens: int, dtype: torc
     return new_tokens / elapsed
 
 
+def _best_ms(fn, repeats: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1000
+
+
+def kernel_timings(batch: int = 8, context: int = 8000, layers: int = 30) -> None:
+    """Attention layouts and linear-layer forms of a decode step, side by side."""
+    import torch.nn.functional as F
+
+    from magicdec_kernels.index_attention import index_attention_torch, plan_requests
+    from sglang_magicdec.platforms.torch_ops import weight_major_product
+
+    kv_heads, group, head_dim = 3, 3, 64
+    data = torch.ones(2**28)
+    bandwidth = data.numel() * 4 / (_best_ms(data.sum) / 1000)
+    del data
+    rows = batch * (context + 100)
+    slots = torch.cat(
+        [torch.arange(r * (context + 100), r * (context + 100) + context) for r in range(batch)]
+    )
+    kv_indptr = torch.arange(batch + 1) * context
+    q_indptr = torch.arange(batch + 1)
+    q = torch.randn(batch, kv_heads * group, head_dim)
+    plan = plan_requests(q_indptr, kv_indptr, slots)
+    kv_ms = 2 * batch * context * kv_heads * head_dim * 4 * layers / bandwidth * 1000
+    print(
+        f"read bandwidth {bandwidth / 1e9:.1f} GB/s; KV of batch {batch} x {context}: "
+        f"{kv_ms:.1f} ms to read"
+    )
+    for layout in ("token-major", "head-major"):
+        shape = (
+            (rows, kv_heads, head_dim) if layout == "token-major" else (kv_heads, rows, head_dim)
+        )
+        pools = [torch.randn(*shape) for _ in range(2 * layers)]
+        if layout == "head-major":
+            pools = [pool.permute(1, 0, 2) for pool in pools]
+
+        def attend(pools=pools):
+            for layer in range(layers):
+                k, v = pools[2 * layer], pools[2 * layer + 1]
+                index_attention_torch(q, k, v, q_indptr, kv_indptr, slots, 0.125, plan=plan)
+
+        print(f"decode attention, {layout} pool: {_best_ms(attend):.1f} ms")
+        del pools
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
+    weights = [torch.randn(*shape) for shape in shapes for _ in range(layers)]
+    inputs = {576: torch.randn(batch, 576), 1536: torch.randn(batch, 1536)}
+    linear_ms = _best_ms(lambda: [F.linear(inputs[w.shape[1]], w) for w in weights])
+    major_ms = _best_ms(lambda: [weight_major_product(inputs[w.shape[1]], w) for w in weights])
+    weight_ms = sum(w.numel() * 4 for w in weights) / bandwidth * 1000
+    print(
+        f"linear layers, {batch} rows: F.linear {linear_ms:.1f} ms, weight-major "
+        f"{major_ms:.1f} ms ({weight_ms:.1f} ms to read the weights)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernels", action="store_true", help="kernel timings only (no servers)")
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--context", type=int, default=2048, help="prompt tokens of the batch")
     parser.add_argument("--batch", type=int, default=4)
@@ -66,6 +135,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--out", type=Path, default=Path("benchmark/results/cpu_backend.json"))
     args = parser.parse_args()
+    if args.kernels:
+        kernel_timings()
+        return
 
     from transformers import AutoTokenizer
 
