@@ -6,12 +6,16 @@ every draft selection against the request's live KV slots.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import requests
+import torch
 
+from sglang_magicdec.model import embedded_model_path
 from test.helpers import (
     GAMMA,
     assert_same_or_tie,
@@ -167,15 +171,21 @@ def test_logprobs_match_autoregressive(spec, plain, long_prompts, temperature):
     assert [token for _, token, _ in logprobs] == got["output_ids"]
     if temperature == 0.0:
         assert got["output_ids"] == plain.generate(payload)["output_ids"]
-    # Teacher-forced on the plain server: the logprob of every output token given its prefix.
+    # Teacher-forced on the plain server: the whole next-token distribution after every prefix
+    # (the first entry of SGLang's input logprobs is the last prompt token's, without a value).
+    vocab = json.loads((Path(embedded_model_path()) / "config.json").read_text())["vocab_size"]
     forced = plain.generate(
         {
             "input_ids": prompt + got["output_ids"],
             "sampling_params": {"max_new_tokens": 1, "temperature": 0},
             "return_logprob": True,
-            "logprob_start_len": len(prompt),
+            "logprob_start_len": len(prompt) - 1,
+            "top_logprobs_num": vocab,
         }
-    )["meta_info"]["input_token_logprobs"]
-    assert [token for _, token, _ in forced] == got["output_ids"]
-    for (ours, _, _), (theirs, _, _) in zip(logprobs, forced, strict=True):
-        assert ours == pytest.approx(theirs, abs=1e-3)
+    )["meta_info"]["input_top_logprobs"][1:]
+    for (ours, token, _), distribution in zip(logprobs, forced, strict=True):
+        # SGLang reports a sampled token's logprob under its temperature: log_softmax(logits / T).
+        raw = torch.tensor([value for value, _, _ in distribution], dtype=torch.float64)
+        ids = [token_id for _, token_id, _ in distribution]
+        scaled = torch.log_softmax(raw / (temperature or 1.0), dim=0)  # greedy: T = 1
+        assert ours == pytest.approx(float(scaled[ids.index(token)]), abs=1e-3)
