@@ -207,7 +207,7 @@ def _batched_attention(q, k_cache, v_cache, plan: AttentionPlan, scale: float) -
             )
             run_out.append(attended)
             run_lse.append(part_lse)
-        result, lse = _merge(result, lse, torch.cat(run_out).float(), torch.cat(run_lse), plan)
+        result = _merge(result, lse, torch.cat(run_out).float(), torch.cat(run_lse), plan)
     # [P, Hkv, group, q_rows, Dv] -> [P * q_rows, Hq, Dv]
     return (
         result.view(batch, num_kv_heads, group, q_rows, v_dim)
@@ -216,7 +216,7 @@ def _batched_attention(q, k_cache, v_cache, plan: AttentionPlan, scale: float) -
     )
 
 
-def _merge(out, lse, run_out, run_lse, plan: AttentionPlan):
+def _merge(out, lse, run_out, run_lse, plan: AttentionPlan) -> torch.Tensor:
     """Softmax over the union of key sets from per-set results and log-sum-exps."""
     owner = plan.run_owner
     top = lse.scatter_reduce(0, owner[:, None, None].expand_as(run_lse), run_lse, "amax")
@@ -224,7 +224,7 @@ def _merge(out, lse, run_out, run_lse, plan: AttentionPlan):
     run_weight = (run_lse - top.index_select(0, owner)).exp_()
     total = weight.index_add(0, owner, run_weight)
     merged = (out * weight[..., None]).index_add_(0, owner, run_out * run_weight[..., None])
-    return merged.div_(total[..., None]), top + total.log()
+    return merged.div_(total[..., None])
 
 
 def _fused_sdpa(q, k_cache, v_cache, slots, scale: float) -> torch.Tensor:

@@ -29,9 +29,9 @@ DraftSelection = StreamingSelection | SnapKVSelection
 
 def make_selection(config, model: torch.nn.Module) -> DraftSelection:
     """The selection `--magicdec-draft` names, configured from `MagicDecConfig`."""
-    streaming = StreamingDraft(budget=config.budget, sinks=config.sinks)
+    streaming = StreamingSelection(StreamingDraft(budget=config.budget, sinks=config.sinks))
     if config.draft == "streaming":
-        return StreamingSelection(streaming)
+        return streaming
     snapkv = SnapKVDraft(
         budget=config.budget,
         obs_window=config.obs_window,

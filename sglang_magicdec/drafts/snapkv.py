@@ -15,7 +15,7 @@ import torch
 from torch.nn.functional import avg_pool1d, max_pool1d
 
 from magicdec_kernels.snapkv_scores import snapkv_window_scores
-from sglang_magicdec.drafts.streaming import StreamingDraft
+from sglang_magicdec.drafts.streaming import StreamingSelection
 from sglang_magicdec.observer import PendingWindow, WindowObserver
 from sglang_magicdec.summaries import Summary, SummaryStore
 
@@ -90,13 +90,11 @@ class SnapKVSelection:
     Requests without a summary (the window was already cached) draft with the streaming policy.
     """
 
-    name = "snapkv"
-
     def __init__(
         self,
         policy: SnapKVDraft,
         *,
-        fallback: StreamingDraft,
+        fallback: StreamingSelection,
         model: torch.nn.Module,
         share_min_len: int,
         min_context: int,
@@ -172,12 +170,10 @@ class SnapKVSelection:
 
     def slots(self, req, row: torch.Tensor, committed_len: int) -> torch.Tensor:
         """[layers, Hkv, n] pool slots of `req`'s draft ([1, 1, n] without a summary)."""
-        prompt_len = len(req.origin_input_ids)
         summary = self.store.held_by(req.rid)
         if summary is None:
-            positions = self.fallback.select(committed_len, prompt_len)
-            return row[positions.to(row.device)].to(torch.int64)[None, None]
-        recent = self.policy.recent(summary.length, committed_len, prompt_len)
+            return self.fallback.slots(req, row, committed_len)
+        recent = self.policy.recent(summary.length, committed_len, len(req.origin_input_ids))
         chosen = row[summary.positions.to(row.device).long()]
         recent_slots = row[recent.to(row.device)].expand(*chosen.shape[:2], -1)
         # Follow the prompt's KV where the holder has it now: SGLang moves a row onto the radix

@@ -35,8 +35,6 @@ class StreamingDraft:
 class StreamingSelection:
     """The streaming draft inside the server: stateless, the same slots for every layer/head."""
 
-    name = "streaming"
-
     def __init__(self, policy: StreamingDraft):
         self.policy = policy
 
