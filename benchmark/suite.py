@@ -108,6 +108,7 @@ def measure_against_ar(
                 # The server's own step costs (γ = auto measures them; fixed γ does not).
                 "decode_ms": decision.get("decode_ms"),
                 "draft_ms": decision.get("draft_ms"),
+                "round_ms": decision.get("round_ms", {}),  # per γ
             }
         )
     return points
@@ -175,14 +176,15 @@ def model_bytes() -> tuple[int, int]:
 
 def step_cost_table(points: list[dict], bandwidth: float, budget: int, new_tokens: int) -> str:
     """Each γ = auto point's measured plain and draft step against the time to read its bytes
-    (weights + the KV it reads) at the measured bandwidth."""
+    (weights + the KV it reads) at the measured bandwidth, and its whole rounds per γ against a
+    plain step (MagicDec's premise: a round costs about one plain step plus γ cheap drafts)."""
     weights, kv_per_token = model_bytes()
     lines = [
         f"Read bandwidth (torch sum over 1 GiB, best of 5): {bandwidth / 1e9:.1f} GB/s; weights "
         f"{weights / 1e6:.0f} MB, KV {kv_per_token / 1e3:.1f} kB per token (all layers).\n",
         "| context | batch | plain step ms | plain floor ms | plain / floor "
-        "| draft step ms | draft floor ms | draft / floor |",
-        "|---|---|---|---|---|---|---|---|",
+        "| draft step ms | draft floor ms | draft / floor | round ms per γ (/ plain step) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for point in points:
         if point["mode"] != "auto" or point["decode_ms"] is None:
@@ -193,11 +195,16 @@ def step_cost_table(points: list[dict], bandwidth: float, budget: int, new_token
         draft_tokens = min(context, budget) + new_tokens / 2
         draft_floor = (weights + batch * draft_tokens * kv_per_token) / bandwidth
         draft_ms = point["draft_ms"]
+        rounds = ", ".join(
+            f"γ={gamma}: {ms:.0f} ({ms / point['decode_ms']:.2f})"
+            for gamma, ms in point.get("round_ms", {}).items()
+        )
         lines.append(
             f"| {context} | {batch} | {point['decode_ms']:.1f} | {plain_floor * 1e3:.1f} "
             f"| {point['decode_ms'] / (plain_floor * 1e3):.2f} "
             f"| {'-' if draft_ms is None else f'{draft_ms:.1f}'} | {draft_floor * 1e3:.1f} "
-            f"| {'-' if draft_ms is None else f'{draft_ms / (draft_floor * 1e3):.2f}'} |"
+            f"| {'-' if draft_ms is None else f'{draft_ms / (draft_floor * 1e3):.2f}'} "
+            f"| {rounds or '-'} |"
         )
     return "\n".join(lines)
 

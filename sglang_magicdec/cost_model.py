@@ -44,41 +44,60 @@ class StepCosts:
     bucket's first steps can be several times slower than the rest (cold caches and allocator),
     while within a bucket (context within 2x) the true cost moves little.
 
-    decode        a plain decode step (γ = 0)
-    draft         one draft step, the round's bookkeeping included
-    verify_extra  verify time per verified draft token beyond a plain step:
-                  T_verify(γ) = decode + γ · verify_extra
+    decode  a plain decode step (γ = 0)
+    draft   one draft step, the round's bookkeeping included (shown, not used to decide)
+    rounds  γ -> a whole speculative round at that γ: its draft steps, bookkeeping and verify
+
+    A round at a γ not measured yet is predicted by the least-squares line through the measured
+    ones, T_round(γ) = fixed + γ · per_token: verification has a fixed cost beyond a plain step
+    (and each verified token an extra one), so a line through (0, T_decode) and one measured γ
+    would make every shorter γ look cheaper than it is.
     """
 
     RECENT = 4
 
     decode: float | None = None
     draft: float | None = None
-    verify_extra: float | None = None
+    rounds: dict[int, float] = field(default_factory=dict)
     plain_steps: int = 0  # measured so far
-    speculative_rounds: int = 0
-    rounds_since_plain: int = 0
-    rounds_since_speculation: int = 0
-    recent: dict[str, list[float]] = field(default_factory=dict)
+    rounds_since_exploring: int = 0  # the model's decisions since the last exploration
+    explorations: int = 0
+    recent: dict[str | int, list[float]] = field(default_factory=dict)
 
-    def verify(self, gamma: int) -> float:
-        return self.decode + gamma * self.verify_extra
+    def round(self, gamma: int) -> float:
+        """Seconds of a round at γ: measured, or on the line through the measured γs."""
+        if gamma in self.rounds:
+            return self.rounds[gamma]
+        gammas = list(self.rounds)
+        if len(gammas) == 1:
+            # One point: assume each extra token costs a draft step (verify's share unknown).
+            return self.rounds[gammas[0]] + (gamma - gammas[0]) * self.draft
+        mean_gamma = sum(gammas) / len(gammas)
+        mean_time = sum(self.rounds.values()) / len(gammas)
+        per_token = sum((g - mean_gamma) * (self.rounds[g] - mean_time) for g in gammas) / sum(
+            (g - mean_gamma) ** 2 for g in gammas
+        )
+        return mean_time + (gamma - mean_gamma) * max(per_token, 0.0)
 
-    def measured(self, name: str, seconds: float) -> None:
+    def measured(self, name: str | int, seconds: float) -> None:
         samples = self.recent.setdefault(name, [])
         samples.append(seconds)
         del samples[: -self.RECENT]
-        setattr(self, name, min(samples))
+        if isinstance(name, int):
+            self.rounds[name] = min(samples)
+        else:
+            setattr(self, name, min(samples))
 
-    def milliseconds(self) -> dict[str, float | None]:
+    def milliseconds(self) -> dict:
         """The current costs, for `/get_server_info`."""
+
+        def ms(seconds: float | None) -> float | None:
+            return None if seconds is None else round(seconds * 1000, 2)
+
         return {
-            f"{name}_ms": None if seconds is None else round(seconds * 1000, 2)
-            for name, seconds in (
-                ("decode", self.decode),
-                ("draft", self.draft),
-                ("verify_extra", self.verify_extra),
-            )
+            "decode_ms": ms(self.decode),
+            "draft_ms": ms(self.draft),
+            "round_ms": {str(gamma): ms(self.rounds[gamma]) for gamma in sorted(self.rounds)},
         }
 
 
@@ -97,13 +116,14 @@ def bucket_key(bucket: tuple[int, int]) -> str:
 
 class CostModel:
     """Picks γ per batch: argmax over γ ∈ {0..γ_max} of predicted tokens/s,
-    Σ_requests Ω(γ, α_r) / (γ·T_draft + T_verify(γ)), against batch / T_decode for γ = 0.
+    Σ_requests Ω(γ, α_r) / T_round(γ), against batch / T_decode for γ = 0.
 
     Step times are measured online by the worker, bucketed by batch size and mean context length
     (powers of two). A bucket calibrates itself: its first rounds are `calibration_rounds` plain
-    steps, then as many γ_max rounds. After that, whichever of plain and speculative wins, one
-    round of the other every `explore_every` rounds keeps both costs (and the requests' α)
-    current, so neither a cold first measurement nor a change of load fixes γ for good.
+    steps, then as many rounds at γ_max and at γ = 1 (two points of the round-time line, see
+    `StepCosts`). After that, one round every `explore_every` at another γ (each in turn, plain
+    decoding first) keeps every cost (and the requests' α) current, so neither a cold first
+    measurement nor a change of load fixes γ for good.
 
     α is estimated per request from its own verify rounds (accepted drafts / tested drafts),
     starting from a prior worth `prior_weight` drafts: the server's recent acceptance over all
@@ -151,20 +171,14 @@ class CostModel:
         costs = self.costs.setdefault(bucket, StepCosts())
         costs.measured("decode", seconds)
         costs.plain_steps += 1
-        costs.rounds_since_speculation += 1
-        costs.rounds_since_plain = 0
 
     def record_round(
-        self, bucket: tuple[int, int], gamma: int, draft_seconds: float, verify_seconds: float
+        self, bucket: tuple[int, int], gamma: int, draft_seconds: float, round_seconds: float
     ) -> None:
-        """A speculative round: mean seconds per draft step, seconds of the verify pass."""
+        """A speculative round: mean seconds per draft step, seconds of the whole round."""
         costs = self.costs.setdefault(bucket, StepCosts())
         costs.measured("draft", draft_seconds)
-        if costs.decode is not None:
-            costs.measured("verify_extra", max(0.0, verify_seconds - costs.decode) / gamma)
-        costs.speculative_rounds += 1
-        costs.rounds_since_plain += 1
-        costs.rounds_since_speculation = 0
+        costs.measured(gamma, round_seconds)
 
     def record_acceptance(self, rids: list[str], accept_lens: list[int], gamma: int) -> None:
         round_kept = round_tested = 0
@@ -198,18 +212,28 @@ class CostModel:
     def choose(self, rids: list[str], mean_context: float) -> Decision:
         bucket = self.bucket(len(rids), mean_context)
         costs = self.costs.get(bucket) or StepCosts()
+        uncalibrated = [
+            gamma
+            for gamma in dict.fromkeys((self.gamma_max, 1))
+            if len(costs.recent.get(gamma, ())) < self.calibration_rounds
+        ]
         if costs.plain_steps < self.calibration_rounds:
             decision = Decision(0, 1.0, "calibrating plain step")
-        elif costs.speculative_rounds < self.calibration_rounds or costs.verify_extra is None:
-            decision = Decision(self.gamma_max, 1.0, "calibrating speculation")
+        elif uncalibrated:
+            decision = Decision(uncalibrated[0], 1.0, f"calibrating γ={uncalibrated[0]}")
         else:
             alphas = [self.alpha(rid) for rid in rids]
             decision = self.best(costs, alphas, self._settled.get(bucket))
             self._settled[bucket] = decision.gamma
-            if decision.gamma == 0 and costs.rounds_since_speculation >= self.explore_every:
-                decision = Decision(self.gamma_max, decision.predicted_speedup, "exploring")
-            elif decision.gamma > 0 and costs.rounds_since_plain >= self.explore_every:
-                decision = Decision(0, decision.predicted_speedup, "exploring")
+            costs.rounds_since_exploring += 1
+            if costs.rounds_since_exploring >= self.explore_every:
+                # Every other γ in turn, plain decoding first: a cost measured once (cold, or
+                # under another load) must not decide for good.
+                others = [g for g in (0, *range(self.gamma_max, 0, -1)) if g != decision.gamma]
+                explored = others[costs.explorations % len(others)]
+                costs.explorations += 1
+                costs.rounds_since_exploring = 0
+                decision = Decision(explored, decision.predicted_speedup, "exploring")
         self.last = self.decisions[bucket] = decision
         return decision
 
@@ -219,7 +243,7 @@ class CostModel:
         rates = [len(alphas) / costs.decode]
         for gamma in range(1, self.gamma_max + 1):
             tokens = sum(expected_tokens_per_round(gamma, alpha) for alpha in alphas)
-            rates.append(tokens / round_time(gamma, costs.draft, costs.verify(gamma)))
+            rates.append(tokens / costs.round(gamma))
         best_gamma = max(range(len(rates)), key=rates.__getitem__)
         if current is not None and rates[best_gamma] <= rates[current] * (1 + self.hysteresis):
             best_gamma = current

@@ -164,8 +164,8 @@ class MagicDecWorker(BaseSpecWorker):
 
     def _speculate(self, batch: ScheduleBatch, on_publish, gamma: int) -> GenerationBatchResult:
         bucket = self._bucket(batch)
-        # The round's bookkeeping (slots, draft selections, uniforms) is part of its cost: the
-        # cost model counts it in the draft steps.
+        # The round's bookkeeping (slots, draft selections, uniforms, acceptance) is part of its
+        # cost: the cost model times whole rounds.
         started = self._clock()
         committed = batch.seq_lens.to(torch.int64)
         round_slots = self._round_slots(batch, committed, gamma + 1)
@@ -188,7 +188,6 @@ class MagicDecWorker(BaseSpecWorker):
 
         drafted = self._clock()
         verify = self._verify(batch, committed, tokens, round_slots)
-        verified = self._clock()
         logits = verify.logits_output.next_token_logits
         if greedy:
             # `target[b, j]`: the target's token after tokens[b, :j+1].
@@ -209,7 +208,7 @@ class MagicDecWorker(BaseSpecWorker):
         self.stats.record(accept_lens, gamma)
         if self.cost_model is not None:
             self.cost_model.record_round(
-                bucket, gamma, (drafted - started) / gamma, verified - drafted
+                bucket, gamma, (drafted - started) / gamma, self._clock() - started
             )
             rids = [req.rid for req in batch.reqs]
             self.cost_model.record_acceptance(rids, accept_lens.tolist(), gamma)

@@ -7,7 +7,6 @@ from sglang_magicdec.cost_model import (
     StepCosts,
     alpha_from_accept_length,
     expected_tokens_per_round,
-    round_time,
 )
 
 
@@ -33,17 +32,30 @@ def test_rejects_impossible_means():
 WEIGHTS_S, KV_S_PER_TOKEN, VERIFY_S_PER_TOKEN, BUDGET = 10e-3, 2e-6, 0.4e-3, 512
 
 
-def synthetic_costs(batch: int, context: int, draft_weights_s: float = WEIGHTS_S) -> StepCosts:
-    return StepCosts(
+def linear_costs(
+    decode: float, draft: float, verify_per_token: float, gamma_max: int, verify_fixed: float = 0.0
+) -> StepCosts:
+    """Costs with every γ's round measured: γ drafts, then a verify that costs a plain step plus
+    a fixed part plus a part per verified draft token."""
+    rounds = {
+        gamma: gamma * draft + decode + verify_fixed + gamma * verify_per_token
+        for gamma in range(1, gamma_max + 1)
+    }
+    return StepCosts(decode=decode, draft=draft, rounds=rounds)
+
+
+def synthetic_costs(batch: int, context: int, gamma_max: int = 8) -> StepCosts:
+    return linear_costs(
         decode=WEIGHTS_S + batch * context * KV_S_PER_TOKEN,
-        draft=draft_weights_s + batch * BUDGET * KV_S_PER_TOKEN,
-        verify_extra=VERIFY_S_PER_TOKEN * batch,
+        draft=WEIGHTS_S + batch * BUDGET * KV_S_PER_TOKEN,
+        verify_per_token=VERIFY_S_PER_TOKEN * batch,
+        gamma_max=gamma_max,
     )
 
 
 def test_picks_plain_decoding_when_drafting_costs_a_full_step():
     model = CostModel(gamma_max=6)
-    costs = StepCosts(decode=10e-3, draft=10e-3, verify_extra=1e-3)
+    costs = linear_costs(decode=10e-3, draft=10e-3, verify_per_token=1e-3, gamma_max=6)
     assert model.best(costs, [0.8] * 4).gamma == 0
 
 
@@ -60,13 +72,26 @@ def test_gamma_grows_with_context_and_batch():
 
 def test_predicted_speedup_matches_the_formula():
     model = CostModel(gamma_max=3)
-    costs = StepCosts(decode=0.1, draft=0.02, verify_extra=0.01)
+    costs = linear_costs(decode=0.1, draft=0.02, verify_per_token=0.01, gamma_max=3)
     decision = model.best(costs, [0.9, 0.9])
     gamma = decision.gamma
     expected = (2 * expected_tokens_per_round(gamma, 0.9) / (gamma * 0.02 + 0.1 + gamma * 0.01)) / (
         2 / 0.1
     )
     assert decision.predicted_speedup == pytest.approx(expected)
+
+
+def test_unmeasured_gamma_lies_on_the_line_through_measured_rounds():
+    """With a fixed verify cost beyond a plain step, the line through two measured γs predicts
+    the others exactly; one through (0, T_decode) and γ_max would make γ = 1 look cheaper than
+    it is (what kept γ = auto at γ = 1 while γ = 3 measured faster)."""
+    true = linear_costs(decode=0.3, draft=0.1, verify_per_token=0.05, gamma_max=5, verify_fixed=0.2)
+    measured = StepCosts(decode=0.3, draft=0.1, rounds={1: true.rounds[1], 5: true.rounds[5]})
+    for gamma in (2, 3, 4):
+        assert measured.round(gamma) == pytest.approx(true.rounds[gamma])
+    model = CostModel(gamma_max=5)
+    alphas = [0.92] * 8
+    assert model.best(measured, alphas).gamma == model.best(true, alphas).gamma
 
 
 def test_calibrates_then_decides_and_explores():
@@ -77,31 +102,38 @@ def test_calibrates_then_decides_and_explores():
         assert model.choose(rids, 1000).reason == "calibrating plain step"
         model.record_decode(bucket, seconds)
     assert model.costs[bucket].decode == 0.01
-    for _ in range(2):
-        assert model.choose(rids, 1000).gamma == 3  # calibrating speculation
-        model.record_round(bucket, 3, draft_seconds=0.01, verify_seconds=0.012)
+    for gamma in (3, 3, 1, 1):  # two points of the round-time line
+        assert model.choose(rids, 1000).gamma == gamma
+        model.record_round(bucket, gamma, draft_seconds=0.01, round_seconds=0.012 + gamma * 0.01)
     model.record_acceptance(rids, [4, 1], gamma=3)
     decision = model.choose(rids, 1000)
     assert (decision.gamma, decision.reason) == (0, "model")  # a draft step costs a plain step
     model.record_decode(bucket, 0.01)
     model.record_decode(bucket, 0.01)
-    assert model.choose(rids, 1000).reason == "exploring"
+    assert (model.choose(rids, 1000).gamma, model.last.reason) == (3, "exploring")
 
 
-def test_keeps_measuring_plain_steps_while_speculation_wins():
-    """Speculation winning on a bad plain-step measurement must not go unchecked: a plain step
-    every `explore_every` rounds corrects it."""
+def test_exploration_visits_every_other_gamma_in_turn():
+    """Speculation winning on a bad plain-step measurement (or one γ on a cold round) must not
+    go unchecked: every `explore_every` rounds one other γ is measured, plain decoding first."""
     model = CostModel(gamma_max=3, explore_every=3, calibration_rounds=1)
     rids = ["a"]
     bucket = CostModel.bucket(1, 1000)
     model.record_decode(bucket, 0.5)  # an outlier
-    model.record_round(bucket, 3, draft_seconds=0.12, verify_seconds=0.5)
+    model.record_round(bucket, 3, draft_seconds=0.12, round_seconds=0.5)
+    model.record_round(bucket, 1, draft_seconds=0.12, round_seconds=0.5)
     for _ in range(8):
         model.record_acceptance(rids, [4], gamma=3)
-    for _ in range(2):
-        assert model.choose(rids, 1000).gamma == 3
-        model.record_round(bucket, 3, draft_seconds=0.12, verify_seconds=0.12)
-    assert (model.choose(rids, 1000).gamma, model.last.reason) == (0, "exploring")
+    explored = []
+    for _ in range(12):
+        decision = model.choose(rids, 1000)
+        if decision.reason == "exploring":
+            explored.append(decision.gamma)
+        if decision.gamma == 0:
+            model.record_decode(bucket, 0.5)
+        else:
+            model.record_round(bucket, decision.gamma, draft_seconds=0.12, round_seconds=0.5)
+    assert explored == [0, 2, 1, 0], explored  # the model's γ is 3; the others in turn
     for _ in range(10):
         model.record_decode(bucket, 0.1)  # the real plain-step cost
     best = model.best(model.costs[bucket], [model.alpha("a")])
@@ -132,12 +164,11 @@ def test_new_requests_start_from_the_servers_recent_acceptance():
 
 
 def test_hysteresis_keeps_gamma_against_small_predicted_gains():
-    costs = StepCosts(decode=0.100, draft=0.010, verify_extra=0.002)
+    costs = linear_costs(decode=0.100, draft=0.010, verify_per_token=0.002, gamma_max=3)
     alphas = [0.8] * 4
     best = CostModel(gamma_max=3).best(costs, alphas).gamma
     rates = {
-        gamma: sum(expected_tokens_per_round(gamma, a) for a in alphas)
-        / round_time(gamma, costs.draft, costs.verify(gamma))
+        gamma: sum(expected_tokens_per_round(gamma, a) for a in alphas) / costs.round(gamma)
         for gamma in range(1, 4)
     }
     runner_up = max((g for g in rates if g != best), key=rates.__getitem__)
