@@ -10,7 +10,7 @@ per batch (`--magicdec-gamma auto`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 def expected_tokens_per_round(gamma: int, alpha: float) -> float:
@@ -119,11 +119,13 @@ class CostModel:
     Σ_requests Ω(γ, α_r) / T_round(γ), against batch / T_decode for γ = 0.
 
     Step times are measured online by the worker, bucketed by batch size and mean context length
-    (powers of two). A bucket calibrates itself: its first rounds are `calibration_rounds` plain
-    steps, then as many rounds at γ_max and at γ = 1 (two points of the round-time line, see
-    `StepCosts`). After that, one round every `explore_every` at another γ (each in turn, plain
-    decoding first) keeps every cost (and the requests' α) current, so neither a cold first
-    measurement nor a change of load fixes γ for good.
+    (powers of two). The first bucket calibrates itself: its first rounds are
+    `calibration_rounds` plain steps, then as many rounds at γ_max and at γ = 1 (two points of
+    the round-time line, see `StepCosts`). A later bucket decides with the costs of its nearest
+    calibrated neighbour until its own exploration has measured what it lacks. One round every
+    `explore_every` goes to another γ (each in turn, plain decoding first) and keeps every cost
+    (and the requests' α) current, so neither a cold first measurement nor a change of load
+    fixes γ for good.
 
     α is estimated per request from its own verify rounds (accepted drafts / tested drafts),
     starting from a prior worth `prior_weight` drafts: the server's recent acceptance over all
@@ -211,31 +213,53 @@ class CostModel:
 
     def choose(self, rids: list[str], mean_context: float) -> Decision:
         bucket = self.bucket(len(rids), mean_context)
-        costs = self.costs.get(bucket) or StepCosts()
-        uncalibrated = [
-            gamma
-            for gamma in dict.fromkeys((self.gamma_max, 1))
-            if len(costs.recent.get(gamma, ())) < self.calibration_rounds
-        ]
-        if costs.plain_steps < self.calibration_rounds:
-            decision = Decision(0, 1.0, "calibrating plain step")
-        elif uncalibrated:
-            decision = Decision(uncalibrated[0], 1.0, f"calibrating γ={uncalibrated[0]}")
+        costs = self.costs.setdefault(bucket, StepCosts())
+        missing = self._uncalibrated(costs)
+        alphas = [self.alpha(rid) for rid in rids]
+        donor = self._nearest_calibrated(bucket) if missing else bucket
+        if donor is None:
+            step = "plain step" if missing[0] == 0 else f"γ={missing[0]}"
+            decision = Decision(missing[0], 1.0, f"calibrating {step}")
         else:
-            alphas = [self.alpha(rid) for rid in rids]
-            decision = self.best(costs, alphas, self._settled.get(bucket))
+            decision = self.best(self.costs[donor], alphas, self._settled.get(bucket))
             self._settled[bucket] = decision.gamma
+            if donor != bucket:
+                decision = replace(decision, reason=f"as {bucket_key(donor)}")
             costs.rounds_since_exploring += 1
             if costs.rounds_since_exploring >= self.explore_every:
-                # Every other γ in turn, plain decoding first: a cost measured once (cold, or
-                # under another load) must not decide for good.
+                # Every other γ in turn (what this bucket still lacks first, then plain decoding
+                # first): a cost measured once (cold, or under another load) must not decide
+                # for good.
                 others = [g for g in (0, *range(self.gamma_max, 0, -1)) if g != decision.gamma]
-                explored = others[costs.explorations % len(others)]
+                explored = missing[0] if missing else others[costs.explorations % len(others)]
                 costs.explorations += 1
                 costs.rounds_since_exploring = 0
                 decision = Decision(explored, decision.predicted_speedup, "exploring")
         self.last = self.decisions[bucket] = decision
         return decision
+
+    def _uncalibrated(self, costs: StepCosts) -> list[int]:
+        """The γs (0: plain decoding) this bucket has measured fewer than `calibration_rounds`
+        times, of those its model needs: plain steps and rounds at γ_max and at γ = 1."""
+        needed = dict.fromkeys((0, self.gamma_max, 1))
+        return [
+            gamma
+            for gamma in needed
+            if (costs.plain_steps if gamma == 0 else len(costs.recent.get(gamma, ())))
+            < self.calibration_rounds
+        ]
+
+    def _nearest_calibrated(self, bucket: tuple[int, int]) -> tuple[int, int] | None:
+        """The calibrated bucket closest to `bucket` (in powers of two of batch and context):
+        a bucket a batch passes through briefly (the last requests of a wave, say) decides as
+        its neighbour does instead of spending its few rounds on calibration."""
+        batch, context = bucket
+        calibrated = [b for b, costs in self.costs.items() if not self._uncalibrated(costs)]
+        return min(
+            calibrated,
+            key=lambda b: abs(math.log2(b[0] / batch)) + abs(math.log2(b[1] / context)),
+            default=None,
+        )
 
     def best(self, costs: StepCosts, alphas: list[float], current: int | None = None) -> Decision:
         """The γ with the highest predicted tokens/s; `current` (the bucket's γ so far) stays

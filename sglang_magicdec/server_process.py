@@ -5,6 +5,7 @@ Used by the tests and the benchmarks; handy for scripts that want a throwaway lo
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -50,8 +51,11 @@ class ServerProcess:
                 self.process.wait()
 
 
-def start_server(args: list[str], log_dir: Path, timeout_s: float = 300) -> ServerProcess:
-    """Launch on a free loopback port; raises RuntimeError with the log tail if it fails."""
+def start_server(
+    args: list[str], log_dir: Path, timeout_s: float = 300, env: dict[str, str] | None = None
+) -> ServerProcess:
+    """Launch on a free loopback port (with `env` added to this process's environment);
+    raises RuntimeError with the log tail if it fails."""
     port = free_port()
     log_path = Path(log_dir) / f"server-{port}.log"
     with log_path.open("w") as log:
@@ -59,6 +63,7 @@ def start_server(args: list[str], log_dir: Path, timeout_s: float = 300) -> Serv
             [*LAUNCH, "--host", "127.0.0.1", "--port", str(port), *args],
             stdout=log,
             stderr=subprocess.STDOUT,
+            env=None if env is None else {**os.environ, **env},
         )
     server = ServerProcess(f"http://127.0.0.1:{port}", process, log_path)
     deadline = time.monotonic() + timeout_s

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
 from sglang_magicdec.config import ALGORITHM, DEFAULT_GAMMA
+
+logger = logging.getLogger(__name__)
 
 
 class MagicDecAlgo(CustomSpecAlgo):
@@ -37,6 +41,15 @@ class MagicDecAlgo(CustomSpecAlgo):
         server_args.speculative_num_draft_tokens = gamma + 1
         # Each round's drafts depend on the last round's accepted tokens.
         server_args.disable_overlap_schedule = True
+        if not server_args.disable_cuda_graph and server_args.device in (None, "cuda"):
+            # SGLang captures TARGET_VERIFY graphs with no spec input for plugin algorithms and
+            # would replay them for a plain (γ = 0) step; until capture with a MagicDec input is
+            # done and run on a GPU, every forward runs eagerly rather than risk a wrong result.
+            logger.warning(
+                "%s turns CUDA graphs off: verify-graph capture for it is not implemented yet",
+                ALGORITHM,
+            )
+            server_args.disable_cuda_graph = True
 
 
 def validate_server_args(server_args) -> None:
@@ -56,6 +69,17 @@ def validate_server_args(server_args) -> None:
         raise ValueError(
             f"{ALGORITHM} drafts with the target model itself: drop --speculative-draft-model-path"
         )
+    if str(server_args.kv_cache_dtype).startswith(("fp8", "fp4")):
+        raise ValueError(
+            f"{ALGORITHM}'s draft kernels read 16/32-bit KV: --kv-cache-dtype "
+            f"{server_args.kv_cache_dtype} is not supported"
+        )
+    from sglang.srt.arg_groups.model_override_base import attention_backends_of
+
+    from sglang_magicdec.gpu_attention import check_attention_backends
+    from sglang_magicdec.platforms import is_active
+
+    check_attention_backends(attention_backends_of(server_args), cpu_platform=is_active())
 
 
 def worker_class(server_args):

@@ -37,6 +37,41 @@ class MagicDecInput(SpecInput):
         self.kv_indptr = kv_indptr
         self.kv_indices = kv_indices
 
+    def generate_attn_arg_prefill(
+        self,
+        *,
+        req_pool_indices: torch.Tensor,
+        paged_kernel_lens: torch.Tensor,
+        paged_kernel_lens_sum: int,
+        translator,
+        plan,
+        kind=None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+        """FlashInfer's TARGET_VERIFY arguments (kv_indices, kv_indptr, qo_indptr, custom_mask):
+        each request reads its committed slots and then its `draft_token_num` verify slots.
+        No custom mask: a chain is causal, which FlashInfer's verify then applies."""
+        from sglang.srt.mem_cache.kv_loc_plan import IdSpaceKind
+
+        batch = req_pool_indices.numel()
+        device = req_pool_indices.device
+        width = self.draft_token_num
+        kv_lens = paged_kernel_lens + width
+        kv_indptr = torch.zeros(batch + 1, dtype=torch.int32, device=device)
+        kv_indptr[1:] = kv_lens.cumsum(0)
+        qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device=device) * width
+        kv_indices = torch.empty(
+            paged_kernel_lens_sum + width * batch, dtype=torch.int32, device=device
+        )
+        translator.pack_read_stream(
+            plan,
+            req_pool_indices=req_pool_indices,
+            seq_lens=kv_lens,
+            indptr=kv_indptr,
+            out=kv_indices,
+            kind=IdSpaceKind.FULL if kind is None else kind,
+        )
+        return kv_indices, kv_indptr, qo_indptr, None
+
     def filter_batch(self, new_indices: torch.Tensor, new_indices_cpu=None) -> None:
         pass
 

@@ -19,8 +19,8 @@ def _server_factory(tmp_path_factory) -> Iterator:
     started: list[ServerProcess] = []
     log_dir = tmp_path_factory.mktemp("server-logs")
 
-    def factory(*args: str) -> ServerProcess:
-        server = start_server(list(args), log_dir)
+    def factory(*args: str, env: dict[str, str] | None = None) -> ServerProcess:
+        server = start_server(list(args), log_dir, env=env)
         started.append(server)
         return server
 

@@ -6,6 +6,7 @@ from sglang_magicdec.cost_model import (
     CostModel,
     StepCosts,
     alpha_from_accept_length,
+    bucket_key,
     expected_tokens_per_round,
 )
 
@@ -111,6 +112,35 @@ def test_calibrates_then_decides_and_explores():
     model.record_decode(bucket, 0.01)
     model.record_decode(bucket, 0.01)
     assert (model.choose(rids, 1000).gamma, model.last.reason) == (3, "exploring")
+
+
+def test_a_new_bucket_decides_as_its_calibrated_neighbour_until_it_has_its_own_costs():
+    """The last requests of a wave pass through smaller buckets for a few rounds each: they
+    must not spend them on plain-step calibration while a neighbour's costs say γ = 3."""
+    model = CostModel(gamma_max=3, explore_every=4, calibration_rounds=1)
+    full = CostModel.bucket(8, 8000)
+    model.record_decode(full, 0.30)
+    for gamma in (1, 3):
+        model.record_round(full, gamma, draft_seconds=0.05, round_seconds=0.4 + 0.1 * gamma)
+    rids = ["a", "b"]
+    model.record_acceptance(rids, [4, 4], gamma=3)
+    tail = CostModel.bucket(len(rids), 8000)
+    decision = model.choose(rids, 8000)
+    assert decision.gamma == model.best(model.costs[full], [model.alpha(r) for r in rids]).gamma
+    assert decision.gamma > 0 and decision.reason == f"as {bucket_key(full)}"
+    # Every `explore_every` rounds it measures what it lacks (plain steps first), and decides
+    # with its own costs once it has them.
+    explored = []
+    for _ in range(12):
+        decision = model.choose(rids, 8000)
+        if decision.reason == "exploring":
+            explored.append(decision.gamma)
+        if decision.gamma == 0:
+            model.record_decode(tail, 0.2)
+        else:
+            model.record_round(tail, decision.gamma, draft_seconds=0.04, round_seconds=0.5)
+    assert explored[:2] == [0, 1], explored  # plain, then γ=1 (γ=3 was measured while borrowing)
+    assert model.choose(rids, 8000).reason in ("model", "exploring")
 
 
 def test_exploration_visits_every_other_gamma_in_turn():

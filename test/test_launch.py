@@ -51,6 +51,11 @@ def test_help_shows_magicdec_group():
             ["--speculative-algorithm", "MAGICDEC", "--speculative-eagle-topk", "4"],
             "--speculative-eagle-topk must be 1",
         ),
+        (
+            ["--speculative-algorithm", "MAGICDEC", "--attention-backend", "torch_native"],
+            "MAGICDEC runs on --attention-backend fa3, flashinfer, triton, magicdec_cpu; "
+            "got 'torch_native'",
+        ),
     ],
 )
 def test_bad_flag_is_one_line_error(args, reason):

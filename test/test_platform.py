@@ -3,6 +3,7 @@
 import pytest
 
 from sglang_magicdec import platforms
+from test.helpers import ON_CPU_MACHINE
 
 
 @pytest.fixture
@@ -39,6 +40,7 @@ def test_explicit_selection_wins_even_with_cuda(clean_env):
     assert platforms.activate() == platforms.PLATFORM_CLASS
 
 
+@ON_CPU_MACHINE
 def test_platform_class_is_the_active_one_here():
     import sglang  # noqa: F401 - resolves the platform the way a server does
     from sglang.srt.platforms import current_platform

@@ -5,6 +5,7 @@ import pytest
 import requests
 
 from sglang_magicdec.platforms import ATTENTION_BACKEND
+from test.helpers import ON_CPU_MACHINE
 
 pytestmark = pytest.mark.server  # starts real SGLang servers
 
@@ -14,6 +15,7 @@ def server(server_factory):
     return server_factory()  # no flags at all: embedded model, CPU defaults
 
 
+@ON_CPU_MACHINE
 def test_cpu_defaults_need_no_flags(server):
     info = requests.get(f"{server.url}/get_server_info", timeout=10).json()
     assert info["device"] == "cpu"
