@@ -298,6 +298,8 @@ def main() -> None:
         finally:
             for server in servers.values():
                 server.stop()
+        # Kept as each context finishes: a later point that fails must not take these with it.
+        (args.out / "throughput.json").write_text(json.dumps(points, indent=2))
     progress.close()
     (args.out / "throughput.json").write_text(json.dumps(points, indent=2))
 

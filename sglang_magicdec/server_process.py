@@ -71,7 +71,10 @@ def start_server(
         if process.poll() is not None:
             raise RuntimeError(f"server exited with {process.returncode}:\n{server.log_tail()}")
         try:
-            if requests.get(f"{server.url}/v1/models", timeout=2).status_code == 200:
+            # /health answers 200 only once SGLang's own warm-up request has run: traffic sent
+            # earlier queues ahead of it, and a warm-up that waits past SGLang's timeout (a long
+            # prefill on a CPU) takes the server down.
+            if requests.get(f"{server.url}/health", timeout=30).status_code == 200:
                 return server
         except requests.RequestException:
             pass
