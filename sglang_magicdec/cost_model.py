@@ -59,10 +59,10 @@ class StepCosts:
     decode: float | None = None
     draft: float | None = None
     rounds: dict[int, float] = field(default_factory=dict)
-    plain_steps: int = 0  # measured so far
     rounds_since_exploring: int = 0  # the model's decisions since the last exploration
     explorations: int = 0
     recent: dict[str | int, list[float]] = field(default_factory=dict)
+    measurements: dict[str | int, int] = field(default_factory=dict)  # per name, so far
 
     def round(self, gamma: int) -> float:
         """Seconds of a round at γ: measured, or on the line through the measured γs."""
@@ -80,6 +80,7 @@ class StepCosts:
         return mean_time + (gamma - mean_gamma) * max(per_token, 0.0)
 
     def measured(self, name: str | int, seconds: float) -> None:
+        self.measurements[name] = self.measurements.get(name, 0) + 1
         samples = self.recent.setdefault(name, [])
         samples.append(seconds)
         del samples[: -self.RECENT]
@@ -172,7 +173,6 @@ class CostModel:
     def record_decode(self, bucket: tuple[int, int], seconds: float) -> None:
         costs = self.costs.setdefault(bucket, StepCosts())
         costs.measured("decode", seconds)
-        costs.plain_steps += 1
 
     def record_round(
         self, bucket: tuple[int, int], gamma: int, draft_seconds: float, round_seconds: float
@@ -215,12 +215,12 @@ class CostModel:
         bucket = self.bucket(len(rids), mean_context)
         costs = self.costs.setdefault(bucket, StepCosts())
         missing = self._uncalibrated(costs)
-        alphas = [self.alpha(rid) for rid in rids]
         donor = self._nearest_calibrated(bucket) if missing else bucket
         if donor is None:
             step = "plain step" if missing[0] == 0 else f"γ={missing[0]}"
             decision = Decision(missing[0], 1.0, f"calibrating {step}")
         else:
+            alphas = [self.alpha(rid) for rid in rids]
             decision = self.best(self.costs[donor], alphas, self._settled.get(bucket))
             self._settled[bucket] = decision.gamma
             if donor != bucket:
@@ -245,7 +245,7 @@ class CostModel:
         return [
             gamma
             for gamma in needed
-            if (costs.plain_steps if gamma == 0 else len(costs.recent.get(gamma, ())))
+            if costs.measurements.get("decode" if gamma == 0 else gamma, 0)
             < self.calibration_rounds
         ]
 
