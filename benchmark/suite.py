@@ -301,7 +301,6 @@ def main() -> None:
         # Kept as each context finishes: a later point that fails must not take these with it.
         (args.out / "throughput.json").write_text(json.dumps(points, indent=2))
     progress.close()
-    (args.out / "throughput.json").write_text(json.dumps(points, indent=2))
 
     sections = [
         f"# Benchmark suite (CPU, float32, SmolLM2-135M, γ={args.gamma}, {args.new_tokens} "

@@ -114,6 +114,30 @@ def test_calibrates_then_decides_and_explores():
     assert (model.choose(rids, 1000).gamma, model.last.reason) == (3, "exploring")
 
 
+def run_rounds(
+    model: CostModel,
+    rids: list[str],
+    context: int,
+    count: int,
+    plain_seconds: float,
+    round_seconds: float,
+    draft_seconds: float,
+) -> list[int]:
+    """`count` rounds at the γ the model picks, each recorded with the given costs; returns
+    the γs it explored."""
+    bucket = CostModel.bucket(len(rids), context)
+    explored = []
+    for _ in range(count):
+        decision = model.choose(rids, context)
+        if decision.reason == "exploring":
+            explored.append(decision.gamma)
+        if decision.gamma == 0:
+            model.record_decode(bucket, plain_seconds)
+        else:
+            model.record_round(bucket, decision.gamma, draft_seconds, round_seconds)
+    return explored
+
+
 def test_a_new_bucket_decides_as_its_calibrated_neighbour_until_it_has_its_own_costs():
     """The last requests of a wave pass through smaller buckets for a few rounds each: they
     must not spend them on plain-step calibration while a neighbour's costs say γ = 3."""
@@ -124,21 +148,14 @@ def test_a_new_bucket_decides_as_its_calibrated_neighbour_until_it_has_its_own_c
         model.record_round(full, gamma, draft_seconds=0.05, round_seconds=0.4 + 0.1 * gamma)
     rids = ["a", "b"]
     model.record_acceptance(rids, [4, 4], gamma=3)
-    tail = CostModel.bucket(len(rids), 8000)
     decision = model.choose(rids, 8000)
     assert decision.gamma == model.best(model.costs[full], [model.alpha(r) for r in rids]).gamma
     assert decision.gamma > 0 and decision.reason == f"as {bucket_key(full)}"
     # Every `explore_every` rounds it measures what it lacks (plain steps first), and decides
     # with its own costs once it has them.
-    explored = []
-    for _ in range(12):
-        decision = model.choose(rids, 8000)
-        if decision.reason == "exploring":
-            explored.append(decision.gamma)
-        if decision.gamma == 0:
-            model.record_decode(tail, 0.2)
-        else:
-            model.record_round(tail, decision.gamma, draft_seconds=0.04, round_seconds=0.5)
+    explored = run_rounds(
+        model, rids, 8000, 12, plain_seconds=0.2, round_seconds=0.5, draft_seconds=0.04
+    )
     assert explored[:2] == [0, 1], explored  # plain, then γ=1 (γ=3 was measured while borrowing)
     assert model.choose(rids, 8000).reason in ("model", "exploring")
 
@@ -154,15 +171,9 @@ def test_exploration_visits_every_other_gamma_in_turn():
     model.record_round(bucket, 1, draft_seconds=0.12, round_seconds=0.5)
     for _ in range(8):
         model.record_acceptance(rids, [4], gamma=3)
-    explored = []
-    for _ in range(12):
-        decision = model.choose(rids, 1000)
-        if decision.reason == "exploring":
-            explored.append(decision.gamma)
-        if decision.gamma == 0:
-            model.record_decode(bucket, 0.5)
-        else:
-            model.record_round(bucket, decision.gamma, draft_seconds=0.12, round_seconds=0.5)
+    explored = run_rounds(
+        model, rids, 1000, 12, plain_seconds=0.5, round_seconds=0.5, draft_seconds=0.12
+    )
     assert explored == [0, 2, 1, 0], explored  # the model's γ is 3; the others in turn
     for _ in range(10):
         model.record_decode(bucket, 0.1)  # the real plain-step cost
