@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Entry point of the one-shot GPU check (see benchmark/gpu_check.py), e.g. from anywhere:
+# Entry point of the one-shot GPU check (see benchmark/gpu_check/__main__.py), e.g. from anywhere:
 #
 #     OUT=/some/dir bash benchmark/gpu_check.sh            # all defaults: batch 16, 32K context
-#     bash benchmark/gpu_check.sh --shapes smollm2 --gamma 3
+#     bash benchmark/gpu_check.sh --shapes smollm2 --batches 16
 #
-# Nothing is installed: the kernels need only torch + triton, both present on the GPU machine,
-# and the check imports neither sglang nor sglang_magicdec. GPU state is only read (nvidia-smi
+# Nothing is installed: our kernels need only torch + triton, both present on the GPU machine;
+# SGLang's kernels and FlashInfer are timed where they import. GPU state is only read (nvidia-smi
 # with no options); no clock, power, persistence or MIG setting is touched.
 set -euo pipefail
 
@@ -35,4 +35,4 @@ except ImportError as error:
 PY
 
 # -u: progress lines reach the log as they happen, should the time limit cut the run short.
-exec "$PYTHON" -u benchmark/gpu_check.py "$@"
+exec "$PYTHON" -u -m benchmark.gpu_check "$@"
