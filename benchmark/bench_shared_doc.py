@@ -1,144 +1,174 @@
-"""Shared-document QA: one SnapKV summary for all questions vs one per request, on the CPU server.
+"""Shared-prefix workloads on the CPU server: summaries computed per shared prefix, and α.
 
-    .venv/bin/python -m benchmark.bench_shared_doc [--questions 8] [--doc-tokens 3000]
+    .venv/bin/python -m benchmark.bench_shared_doc [--workloads raw fork bench-serving]
+        [--budgets 256 512 1024] [--modes shared per-request streaming] [--docs 4]
 
-N questions over one long PG-19 document, run by the frontend program python/shared_doc_qa.py
-(the document is committed first, then the questions fork and run concurrently). Modes, one
-server each, never two at once:
-  shared       --magicdec-draft snapkv: the document's summary is computed once and reused
-  per-request  the same with --magicdec-share-min-len above the document: every question
-               summarises its own prompt (window = the end of its question; each question is
-               longer than the window so that it can)
-  streaming    --magicdec-draft streaming, for reference
-Prints α, decode tokens/s of the question phase, summaries computed and reused.
+Workloads (greedy; questions about long documents, different questions per document):
+  raw            per document, its questions sent at once to /generate as document + question:
+                 no fork and no document sent alone first, as OpenAI-style clients send them
+  fork           the frontend program python/shared_doc_qa.py (the document is committed first,
+                 then the questions fork)
+  bench-serving  SGLang's own `bench_serving --dataset-name generated-shared-prefix`
+                 (2 groups × 4 prompts, 1,500-token system prompt, 64-token questions)
+Modes, one server each, never two at once:
+  shared       SnapKV; a summary is computed once per shared prefix and reused
+  per-request  SnapKV with --magicdec-share-min-len above every prompt: each request scores
+               its own prompt with its own question's window
+  streaming    StreamingLLM at the same budget
+Documents: BookSum chapters (no test uses them), cut to --doc-tokens. Prints and writes, per
+(workload, budget, mode): α, summaries computed / reused, drafts without a summary.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import tempfile
-import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchmark.common import DEFAULT_DATA, RESULTS, load_tokenizer, magicdec_info
 from sglang_magicdec.cost_model import alpha_from_accept_length
-from sglang_magicdec.server_process import start_server
+from sglang_magicdec.model import embedded_model_path
+from sglang_magicdec.server_process import ServerProcess, start_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 import shared_doc_qa  # noqa: E402
 
-TOPICS = [
-    "the first person who speaks",
-    "the place where the scene is set",
-    "the weather and the time of day",
-    "the feelings of the main character",
-    "an object that is described in detail",
-    "the last event in the passage",
-    "a conflict between two people",
-    "a word that sounds old-fashioned",
-    "the reason for the journey",
-    "what the narrator thinks of the others",
-    "the longest conversation",
-    "a sound that is mentioned",
-]
+QUESTIONS = shared_doc_qa.QUESTIONS
+COUNTERS = ("summaries_computed", "summaries_reused", "drafts_without_summary")
 
 
-def long_questions(count: int) -> list[str]:
-    """Questions longer than the 32-token observation window, so a per-request summary can
-    observe its own window. They differ from their first word on: a common opening would sit in
-    the radix cache after the first question and leave the others' new tokens shorter than the
-    window (they would draft with StreamingLLM)."""
+def load_documents(data: Path, count: int, doc_tokens: int, tokenizer) -> list[str]:
+    """`count` distinct BookSum chapters (the file repeats a chapter once per reference
+    summary) without their instruction, cut to `doc_tokens` tokens, ending on a full stop."""
+    chapters: dict[str, None] = {}
+    with (data / "booksum" / "booksum_4096.jsonl").open() as handle:
+        for line in handle:
+            chapters[json.loads(line)["text"].split("### Text:", 1)[-1].strip()] = None
+    documents = []
+    for text in list(chapters)[:count]:
+        text = tokenizer.decode(tokenizer(text)["input_ids"][:doc_tokens])
+        documents.append(text[: text.rfind(".") + 1])
+    return documents
+
+
+def raw_prompts(document: str, questions: int, tokenizer) -> list[list[int]]:
+    """The fork program's prompt text, sent whole: document + one question each."""
+    head = "Read the document and answer the questions.\n\nDocument:\n" + document.strip()
     return [
-        f"As for {TOPICS[i % len(TOPICS)]} (question {i + 1}): please read the document above "
-        f"carefully once more and then tell me, in a couple of full sentences and with a short "
-        f"quotation where possible, everything the text says about it and why it matters."
-        for i in range(count)
+        tokenizer(f"{head}\nEnd of document. Question: {question}\nAnswer:")["input_ids"]
+        for question in QUESTIONS[:questions]
     ]
+
+
+def run_raw(server: ServerProcess, documents, questions: int, new_tokens: int, tokenizer):
+    sampling = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
+    results = []
+    for document in documents:
+        prompts = raw_prompts(document, questions, tokenizer)
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            results += pool.map(
+                lambda ids: server.generate({"input_ids": ids, "sampling_params": sampling}),
+                prompts,
+            )
+    return results
+
+
+def run_fork(server: ServerProcess, documents, questions: int, new_tokens: int, _):
+    for document in documents:
+        shared_doc_qa.run(server.url, document, questions, max_tokens=new_tokens, ignore_eos=True)
+
+
+def run_bench_serving(server: ServerProcess, *_):
+    command = [
+        sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang",
+        "--base-url", server.url, "--tokenizer", str(embedded_model_path()),
+        "--dataset-name", "generated-shared-prefix", "--gsp-num-groups", "2",
+        "--gsp-prompts-per-group", "4", "--gsp-system-prompt-len", "1500",
+        "--gsp-question-len", "64", "--gsp-output-len", "32", "--num-prompts", "8",
+        "--seed", "0", "--disable-tqdm",
+        "--output-file", str(Path(tempfile.mkdtemp()) / "bench_serving.jsonl"),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+    if done.returncode:
+        raise RuntimeError(f"bench_serving failed: {done.stderr[-2000:]}")
+
+
+WORKLOADS = {"raw": run_raw, "fork": run_fork, "bench-serving": run_bench_serving}
+
+
+def mode_args(mode: str, budget: int, gamma: int) -> list[str]:
+    args = ["--speculative-algorithm", "MAGICDEC", "--speculative-num-steps", str(gamma)]
+    args += ["--magicdec-budget", str(budget)]
+    if mode == "streaming":
+        return [*args, "--magicdec-draft", "streaming"]
+    args += ["--magicdec-draft", "snapkv"]
+    if mode == "per-request":
+        args += ["--magicdec-share-min-len", "1000000"]
+    return args
+
+
+def measure(workload: str, budget: int, mode: str, args, documents, tokenizer, log_dir) -> dict:
+    server = start_server(["--dtype", "float32", *mode_args(mode, budget, args.gamma)], log_dir)
+    try:
+        before = magicdec_info(server.url)
+        WORKLOADS[workload](server, documents, args.questions, args.new_tokens, tokenizer)
+        after = magicdec_info(server.url)
+    finally:
+        server.stop()
+    rounds = after["verify_rounds"] - before["verify_rounds"]
+    tokens = after["avg_accept_length"] * after["verify_rounds"] - (
+        before["avg_accept_length"] * before["verify_rounds"]
+    )
+    row = {"workload": workload, "budget": budget, "mode": mode}
+    row["alpha"] = alpha_from_accept_length(tokens / rounds, args.gamma)
+    row.update({key: after.get(key, 0) - before.get(key, 0) for key in COUNTERS})
+    return row
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
-    parser.add_argument("--questions", type=int, default=8)
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=["raw"])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024])
+    parser.add_argument(
+        "--modes", nargs="+", default=["shared", "per-request", "streaming"],
+        choices=["shared", "per-request", "streaming"],
+    )  # fmt: skip
+    parser.add_argument("--docs", type=int, default=4)
+    parser.add_argument("--questions", type=int, default=4, help="per document")
     parser.add_argument("--doc-tokens", type=int, default=3000)
-    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--gamma", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS / "shared_doc")
     args = parser.parse_args()
 
     tokenizer = load_tokenizer()
-    with (args.data / "pg19" / "pg19_4K.jsonl").open() as handle:
-        text = json.loads(handle.readline())["text"]
-    document = tokenizer.decode(tokenizer(text)["input_ids"][: args.doc_tokens])
-    # Two more for the warm-up: a measured question must not be in the radix cache already.
-    *questions, warm_up_1, warm_up_2 = long_questions(args.questions + 2)
-    speculative = [
-        "--speculative-algorithm",
-        "MAGICDEC",
-        "--speculative-num-steps",
-        str(args.gamma),
-    ]
-    modes = {
-        "shared": [*speculative, "--magicdec-draft", "snapkv"],
-        "per-request": [
-            *speculative,
-            "--magicdec-draft",
-            "snapkv",
-            "--magicdec-share-min-len",
-            str(10 * args.doc_tokens),
-        ],
-        "streaming": [*speculative, "--magicdec-draft", "streaming"],
-    }
+    documents = load_documents(args.data, args.docs, args.doc_tokens, tokenizer)
     log_dir = Path(tempfile.mkdtemp(prefix="bench-shared-doc-"))
     rows = []
-    for mode, mode_args in modes.items():
-        server = start_server(["--dtype", "float32", *mode_args], log_dir)
-        try:
-            # Warm the document's prefill and summary, as a server that has seen it would be.
-            shared_doc_qa.run(server.url, document, questions=[warm_up_1, warm_up_2], max_tokens=1)
-            before = magicdec_info(server.url)
-            start = time.perf_counter()
-            shared_doc_qa.run(
-                server.url,
-                document,
-                questions=questions,
-                max_tokens=args.new_tokens,
-                ignore_eos=True,
-            )
-            elapsed = time.perf_counter() - start
-            after = magicdec_info(server.url)
-        finally:
-            server.stop()
-        rounds = after["verify_rounds"] - before["verify_rounds"]
-        tokens = after["avg_accept_length"] * after["verify_rounds"] - (
-            before["avg_accept_length"] * before["verify_rounds"]
-        )
-        row = {
-            "mode": mode,
-            "alpha": alpha_from_accept_length(tokens / rounds, args.gamma),
-            "tokens_per_s": args.questions * args.new_tokens / elapsed,
-            "summaries_computed": after.get("summaries_computed", 0)
-            - before.get("summaries_computed", 0),
-            "summaries_reused": after.get("summaries_reused", 0)
-            - before.get("summaries_reused", 0),
-        }
-        rows.append(row)
-        print(row, flush=True)
+    for workload in args.workloads:
+        for budget in args.budgets:
+            for mode in args.modes:
+                rows.append(measure(workload, budget, mode, args, documents, tokenizer, log_dir))
+                print(json.dumps(rows[-1]), flush=True)
 
     lines = [
-        f"{args.questions} questions over one {args.doc_tokens}-token PG-19 document, "
-        f"{args.new_tokens} tokens each, γ={args.gamma}, budget 512 (summaries: during the "
-        "question phase; the document itself was summarised in the warm-up)",
+        f"{args.docs} BookSum documents of ~{args.doc_tokens} tokens × {args.questions} "
+        f"questions (raw, fork) / bench_serving's generated-shared-prefix, greedy, "
+        f"{args.new_tokens} tokens (bench_serving: 32), γ = {args.gamma}",
         "",
-        "| mode | α | tokens/s | summaries computed | summaries reused |",
-        "|---|---|---|---|---|",
+        "| workload | budget | mode | α | summaries computed | reused | without summary |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         lines.append(
-            f"| {row['mode']} | {row['alpha']:.3f} | {row['tokens_per_s']:.1f} | "
-            f"{row['summaries_computed']} | {row['summaries_reused']} |"
+            f"| {row['workload']} | {row['budget']} | {row['mode']} | {row['alpha']:.3f} | "
+            f"{row['summaries_computed']} | {row['summaries_reused']} | "
+            f"{row['drafts_without_summary']} |"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")

@@ -28,6 +28,7 @@ def load() -> None:
     HookRegistry.register(INTERNAL_STATE_SPECULATIVE, add_server_info, HookType.AFTER)
     for method, hook in RADIX_CACHE_HOOKS.items():
         HookRegistry.register(f"{RADIX_CACHE}.{method}", hook, HookType.AFTER)
+    HookRegistry.register(PREFIX_MATCH_LIMIT, _max_prefix_len, HookType.AROUND)
     if is_active():
         from sglang_magicdec.platforms import torch_ops
 
@@ -62,6 +63,7 @@ RADIX_CACHE = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
 
 
 class RadixCacheListener(Protocol):
+    def max_prefix_len(self, req, limit: int) -> int: ...
     def request_released(self, rid: str) -> None: ...
     def kv_freed(self) -> None: ...
     def cache_reset(self) -> None: ...
@@ -71,7 +73,8 @@ _radix_cache_listeners: list[RadixCacheListener] = []
 
 
 def subscribe_to_radix_cache(listener: RadixCacheListener) -> None:
-    """`listener` hears of released requests, evictions and resets of this process's cache."""
+    """`listener` hears of released requests, evictions and resets of this process's cache,
+    and bounds how much of each prompt the cache may match."""
     if listener not in _radix_cache_listeners:
         _radix_cache_listeners.append(listener)
 
@@ -100,6 +103,19 @@ def _cache_reset(result, *args, **kwargs):
 
 
 RADIX_CACHE_HOOKS = {"on_release": _request_released, "_evict": _kv_evicted, "reset": _cache_reset}
+
+# Before matching a request's prompt in the radix cache, SGLang bounds the match in this method
+# (the bound that keeps the last token, or everything from `logprob_start_len` on, recomputed).
+# SnapKV lowers it for a prompt that must prefill its own observation window: the narrowest
+# seam that decides how much of a prompt is prefilled.
+PREFIX_MATCH_LIMIT = "sglang.srt.managers.schedule_batch.Req._compute_max_prefix_len"
+
+
+def _max_prefix_len(original, req, *args, **kwargs) -> int:
+    limit = original(req, *args, **kwargs)
+    for listener in _radix_cache_listeners:
+        limit = listener.max_prefix_len(req, limit)
+    return limit
 
 
 def _register_cpu_defaults() -> None:

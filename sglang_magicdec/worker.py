@@ -371,6 +371,10 @@ class MagicDecWorker(BaseSpecWorker):
 
     # -- radix cache events (plugin.subscribe_to_radix_cache) ---------------------------------
 
+    def max_prefix_len(self, req, limit: int) -> int:
+        """How much of `req`'s prompt the radix cache may match, SGLang's bound being `limit`."""
+        return self.draft.max_prefix_len(req, limit)
+
     def request_released(self, rid: str) -> None:
         """SGLang freed the request's KV (finished, aborted or retracted): drop what we keep."""
         if self.cost_model is not None:

@@ -59,11 +59,20 @@ def test_selection_matches_reference(
     q_window = torch.randn(window, num_q_heads, head_dim, generator=generator) * 2
     draft = SnapKVDraft(budget=budget, obs_window=window, pool=pool, pool_kernel=kernel)
 
-    chosen = draft.select_layer(q_window, k_cache, key_slots, 1 / math.sqrt(head_dim))
+    chosen, margin = draft.select_layer(q_window, k_cache, key_slots, 1 / math.sqrt(head_dim))
 
     expected = reference_selection(q_window, k_cache[key_slots], budget, pool, kernel)
     assert chosen.shape == (num_kv_heads, min(budget, prompt_len))
     assert torch.equal(chosen, expected)
+    # The margin: the best pre-window positions not kept, best first.
+    prefix_len = prompt_len - window
+    assert margin.shape == (
+        num_kv_heads,
+        min(budget, prefix_len - min(budget - window, prefix_len)),
+    )
+    for head in range(num_kv_heads):
+        assert not set(margin[head].tolist()) & set(chosen[head].tolist())
+        assert all(0 <= position < prefix_len for position in margin[head].tolist())
 
 
 def test_heads_choose_differently():
@@ -76,7 +85,7 @@ def test_heads_choose_differently():
     q_window = torch.zeros(window, 2, head_dim)
     q_window[:, :, 0] = 30
     draft = SnapKVDraft(budget=window + 3, obs_window=window, pool_kernel=3)
-    chosen = draft.select_layer(q_window, k_cache, torch.arange(prompt_len), 1.0)
+    chosen, _ = draft.select_layer(q_window, k_cache, torch.arange(prompt_len), 1.0)
     assert 10 in chosen[0].tolist() and 70 not in chosen[0].tolist()
     assert 70 in chosen[1].tolist() and 10 not in chosen[1].tolist()
 
@@ -92,26 +101,74 @@ def summary(tokens: list[int], first_slot: int = 0) -> Summary:
     return Summary(
         tokens=tuple(tokens),
         positions=torch.zeros(1, 1, 1, dtype=torch.int32),
+        margin=torch.zeros(1, 1, 0, dtype=torch.int32),
         prompt_slots=torch.arange(first_slot, first_slot + len(tokens) - 1),
     )
 
 
-def test_store_shares_longest_prefix_and_counts():
-    store = SummaryStore(share_min_len=4)
-    doc = summary([1, 2, 3, 4, 5])
-    turn = summary([1, 2, 3, 4, 5, 6, 7], first_slot=100)
+def test_margin_ranks_the_positions_after_the_top_k():
+    """Scores rising with position: the top-k is the latest pre-window positions, the margin
+    the ones just before them, best (latest) first."""
+    prompt_len, window, head_dim = 64, 4, 8
+    k_cache = torch.zeros(prompt_len, 1, head_dim)
+    k_cache[:, 0, 0] = torch.linspace(0, 3, prompt_len)
+    q_window = torch.zeros(window, 1, head_dim)
+    q_window[:, 0, 0] = 5
+    draft = SnapKVDraft(budget=window + 6, obs_window=window, pool="max", pool_kernel=1)
+    chosen, margin = draft.select_layer(q_window, k_cache, torch.arange(prompt_len), 1.0)
+    assert chosen[0].tolist() == [*range(54, 60), *range(60, 64)]
+    assert margin[0].tolist() == list(range(53, 43, -1))
+
+
+def test_partial_share_refills_from_the_margin_then_the_latest_positions():
+    positions = torch.tensor([[[2, 5, 9, 12, 14, 15]], [[1, 3, 4, 13, 14, 15]]], dtype=torch.int32)
+    margin = torch.tensor([[[11, 0, 7]], [[12, 2, 5]]], dtype=torch.int32)
+    doc = Summary(tuple(range(16)), positions, margin, torch.arange(15))
+    assert doc.positions_within(16) is positions
+    # Sharing 12 tokens: positions 12.. drop out; layer 0 refills 11, 0, 7 (its whole margin);
+    # layer 1's margin has 2 and 5 before 12, then the latest free position before 12: 11.
+    within = doc.positions_within(12)
+    assert within.tolist() == [[[0, 2, 5, 7, 9, 11]], [[1, 2, 3, 4, 5, 11]]]
+    # Sharing fewer tokens than the selection holds: all of them.
+    assert doc.positions_within(4).tolist() == [[[0, 1, 2, 3]], [[0, 1, 2, 3]]]
+
+
+def test_store_finds_the_longest_shared_prefix_block_by_block():
+    store = SummaryStore(share_min_len=100)  # blocks of 64 tokens
+    document = list(range(1000, 1300))
+    doc = summary(document + [1, 2, 3])
+    turn = summary(document + [1, 2, 3, 4, 5, 6, 7], first_slot=1000)
+    other = summary(list(range(5000, 5300)))
+    for rid, item in (("a", doc), ("b", turn), ("c", other)):
+        store.acquire(rid, item, computed=True)
+    store.acquire("short", summary([9] * 99), computed=True)  # below share_min_len: not stored
+    assert len(store) == 3
+    assert store.find(document + [1, 2, 3, 4, 5, 6, 7, 8]) == (turn, 307)
+    # A different question after the document: it shares the document (and the 1, 2).
+    assert store.find(document + [1, 2, 9]) in ((doc, 302), (turn, 302))
+    assert store.find(document[:99] + [0] * 200) is None  # shares 99 tokens < share_min_len
+    assert store.find(list(range(5000, 5150))) == (other, 150)  # a prefix of the summary's
+    assert store.find([7] * 400) is None
+    holding = store.acquire(
+        "d", doc, computed=False, shared_len=302, cached_slots=torch.arange(200, 500)
+    )
+    assert doc.holders == {"a", "d"} and holding.shared_len == 302
+    # Re-anchored on the reuser's cached prefix, within the shared part.
+    assert doc.prompt_slots[:300].tolist() == list(range(200, 500))
+    assert store.info()["summaries_computed"] == 4 and store.info()["summaries_reused"] == 1
+
+
+def test_evicted_tail_shortens_what_a_summary_shares():
+    store = SummaryStore(share_min_len=100)
+    document = list(range(1000, 1300))
+    doc = summary(document + list(range(40)))  # slots 0 .. 338
     store.acquire("a", doc, computed=True)
-    store.acquire("b", turn, computed=True)
-    store.acquire("short", summary([9, 9]), computed=True)  # below share_min_len: not stored
-    assert len(store) == 2
-    assert store.find([1, 2, 3, 4, 5, 6, 7, 8]) is turn
-    assert store.find([1, 2, 3, 4, 5, 9]) is doc
-    assert store.find([1, 2, 3, 4]) is None
-    store.acquire("c", doc, computed=False, cached_slots=torch.arange(200, 204))
-    assert doc.holders == {"a", "c"}
-    # Re-anchored on the reuser's cached prefix (the last prompt token is never anchored).
-    assert doc.prompt_slots.tolist() == [200, 201, 202, 203]
-    assert store.info()["summaries_computed"] == 3 and store.info()["summaries_reused"] == 1
+    store.release("a")
+    assert store.drop_freed(torch.tensor([310, 311])) == 0  # the question's KV went first
+    assert doc.live_len == 310
+    assert store.find(document + list(range(40))) == (doc, 310)
+    assert store.drop_freed(torch.tensor([50])) == 1  # the document's: below share_min_len
+    assert store.find(document) is None and len(store) == 0
 
 
 def test_store_drops_only_unheld_freed_summaries():
@@ -121,10 +178,11 @@ def test_store_drops_only_unheld_freed_summaries():
         store.acquire(rid, item, computed=True)
     store.release("i")
     store.release("k")
-    freed = torch.tensor([1, 11, 22])  # held's, idle's, and kept's unanchored last slot
+    freed = torch.tensor([1, 10, 22])  # held's second slot, idle's first, kept's unanchored last
     assert store.drop_freed(freed) == 1
     assert store.summaries() == [held, kept]
-    store.release("h")
+    store.release("h")  # held kept only 1 live token: gone once released
+    assert store.summaries() == [kept]
     store.clear_unheld()
     assert len(store) == 0
 

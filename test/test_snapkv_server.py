@@ -10,6 +10,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import openai
 import pytest
 import requests
 
@@ -32,6 +33,8 @@ pytestmark = pytest.mark.server  # starts real SGLang servers
 
 SNAPKV = ("--speculative-algorithm", "MAGICDEC", "--magicdec-draft", "snapkv")
 MIN_ALPHA_GAIN = 0.02  # the SnapKV paper's claim over StreamingLLM at equal budget
+OBS_WINDOW = 32  # --magicdec-obs-window's default
+COUNTERS = ("summaries_computed", "summaries_reused", "drafts_without_summary")
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +99,88 @@ def test_shared_document_computes_one_summary(snap, plain, tokenizer):
     assert answers == shared_doc_qa.run(plain.url, document, num_questions=8, max_tokens=12)
 
 
+@pytest.mark.parametrize("questions,text_index", [(4, 8), (8, 9)])
+def test_concurrent_raw_requests_share_one_summary_per_document(
+    snap, plain, tokenizer, questions, text_index
+):
+    """No fork, no document sent alone: N questions about one ~3K-token document sent at once
+    to /generate as document + question. One summary is computed, every other request reuses
+    it (none falls back to StreamingLLM), and the answers equal plain decoding's."""
+    document = tokenizer(pg19_texts("4K", count=20)[text_index])["input_ids"][:3000]
+    prompts = [
+        document + tokenizer(f"\n\nQuestion {i}: {question}\nAnswer:")["input_ids"]
+        for i, question in enumerate(shared_doc_qa.QUESTIONS[:questions])
+    ]
+    before = magicdec_info(snap)
+    got = run_concurrently(snap, prompts, 12, ignore_eos=True)
+    after = magicdec_info(snap)
+    statuses = sorted(summary_of(result)["status"] for result in got)
+    assert statuses == ["computed"] + ["reused"] * (questions - 1)
+    assert after["summaries_computed"] - before["summaries_computed"] == 1
+    assert after["drafts_without_summary"] == before["drafts_without_summary"]
+    expected = run_concurrently(plain, prompts, 12, ignore_eos=True)
+    for index, (prompt, a, b) in enumerate(zip(prompts, got, expected, strict=True)):
+        assert_same_or_tie(plain, prompt, a["output_ids"], b["output_ids"], f"question {index}")
+
+
+def test_multi_turn_chat_reuses_summaries_turn_after_turn(snap, plain, tokenizer):
+    """Two conversations through the OpenAI client, interleaved, 4 turns each, the whole
+    history re-sent every turn, the first turn carrying a ~1.5K-token document: each
+    conversation computes one summary on its first turn and every later turn reuses it."""
+    documents = [
+        tokenizer.decode(tokenizer(text)["input_ids"][:1500])
+        for text in pg19_texts("4K", count=20)[18:20]
+    ]
+    follow_ups = ["Who is in it?", "Where are they?", "What happens next?"]
+
+    def chat(server) -> list[list[str]]:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+        histories = [
+            [{"role": "user", "content": f"Read this:\n{document}\n\nWhat is it about?"}]
+            for document in documents
+        ]
+        for turn in range(4):
+            for history in histories:  # interleaved: A1 B1 A2 B2 ...
+                reply = client.chat.completions.create(
+                    model="default", messages=history, temperature=0, max_tokens=12
+                )
+                history.append({"role": "assistant", "content": reply.choices[0].message.content})
+                if turn < 3:
+                    history.append({"role": "user", "content": follow_ups[turn]})
+        return [
+            [m["content"] for m in history if m["role"] == "assistant"] for history in histories
+        ]
+
+    before = magicdec_info(snap)
+    answers = chat(snap)
+    after = magicdec_info(snap)
+    counts = {key: after[key] - before[key] for key in COUNTERS}
+    assert counts == {"summaries_computed": 2, "summaries_reused": 6, "drafts_without_summary": 0}
+    assert answers == chat(plain)
+
+
+def test_radix_hit_with_a_short_suffix_computes_its_own_summary(snap, plain, tokenizer):
+    """A ~900-token document (long enough to draft with a summary, too short to store one
+    under --magicdec-share-min-len 1024) asked twice: the second prompt's only new tokens are a
+    short question, fewer than the observation window, and no summary exists to reuse. Its
+    prefill recomputes the window instead (the radix match stops `obs_window` tokens early) and
+    selects exactly what a prefill with nothing cached selects."""
+    document = tokenizer(pg19_texts("4K", count=20)[17])["input_ids"][:900]
+    first = document + tokenizer(" Question: who speaks?")["input_ids"]
+    second = document + tokenizer(" Question: where?")["input_ids"]
+    greedy(snap, first, 1)
+    hit = greedy(snap, second, 12)
+    assert summary_of(hit)["status"] == "computed"
+    assert hit["meta_info"]["cached_tokens"] <= len(second) - OBS_WINDOW
+    assert hit["meta_info"]["cached_tokens"] >= len(document) - OBS_WINDOW - 1
+    assert requests.post(f"{snap.url}/flush_cache", timeout=30).status_code == 200
+    cold = greedy(snap, second, 12)
+    assert cold["meta_info"]["cached_tokens"] == 0
+    assert summary_of(cold)["digest"] == summary_of(hit)["digest"]
+    expected = greedy(plain, second, 12)["output_ids"]
+    assert_same_or_tie(plain, second, hit["output_ids"], expected, "radix hit")
+
+
 def test_agent_loop_reuses_the_manual_summary(snap, plain):
     """Two agents, three turns each, over a ~1.9K-token tool manual: one summary (the manual),
     reused by every turn, whose prompt extends the manual and the earlier turns."""
@@ -132,10 +217,11 @@ def test_bad_flags_fail_with_one_line(tmp_path):
 def test_eviction_retraction_and_aborts_under_kv_pressure(
     server_factory, plain, tokenizer, monkeypatch
 ):
-    """200 mixed requests (questions over a shared document, unshared prompts, aborts) on a
-    pool far too small for them: the radix cache evicts, decode retracts, and every request
-    that was not aborted returns exactly its plain-decoding output. Debug mode asserts inside
-    the worker that no draft selection or summary refers to a freed slot.
+    """200 mixed requests (questions over a shared document, sharing summaries by prefix;
+    unshared prompts; aborts) on a pool far too small for them: the radix cache evicts, decode
+    retracts, and every request that was not aborted returns exactly its plain-decoding output.
+    Debug mode asserts inside the worker that no draft selection or summary refers to a freed
+    slot.
 
     SGLang admits decode requests with enough KV reserved for MAGICDEC's rounds that this pool
     evicts but never runs out mid-decode, so retraction is also forced through SGLang's own
@@ -162,7 +248,7 @@ def test_eviction_retraction_and_aborts_under_kv_pressure(
     distinct = shared + unshared
     max_new_tokens = 24
     expected = run_concurrently(plain, distinct, max_new_tokens, ignore_eos=True)
-    greedy(pressed, document, 1)  # the shared document gets its summary first
+    # The document is never sent alone: questions share its summary by prefix.
 
     rng = random.Random(0)
     jobs = [(i, rng.randrange(len(distinct)), rng.random() < 0.1) for i in range(200)]

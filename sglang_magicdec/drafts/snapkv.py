@@ -9,6 +9,7 @@ plus the window itself.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,8 @@ from magicdec_kernels.snapkv_scores import snapkv_window_scores
 from sglang_magicdec.drafts.streaming import StreamingSelection
 from sglang_magicdec.observer import PendingWindow, WindowObserver
 from sglang_magicdec.summaries import Summary, SummaryStore
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -48,15 +51,22 @@ class SnapKVDraft:
         num_q_heads, prefix_len = pooled.shape
         return pooled.view(num_kv_heads, num_q_heads // num_kv_heads, prefix_len).sum(dim=1)
 
+    @property
+    def margin(self) -> int:
+        """Ranked positions kept past the top-k, to refill a selection that a prompt sharing
+        only part of the summarised one cannot use (its window, a question of its own)."""
+        return self.budget
+
     def select_layer(
         self,
         q_window: torch.Tensor,
         k_cache: torch.Tensor,
         key_slots: torch.Tensor,
         scale: float,
-    ) -> torch.Tensor:
-        """Positions [Hkv, min(budget, L)] (sorted, int64) one layer's draft keeps of an L-token
-        prompt, given its window queries [W, Hq, D] and the pool slots of its keys [L]."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's selection of an L-token prompt, given its window queries [W, Hq, D] and
+        the pool slots of its keys [L]: the positions kept [Hkv, min(budget, L)] (sorted,
+        int64), and the margin [Hkv, ≤ margin], the next-best pre-window positions, best first."""
         prompt_len = key_slots.numel()
         window = q_window.shape[0]
         num_kv_heads = k_cache.shape[1]
@@ -64,9 +74,11 @@ class SnapKVDraft:
         keep = min(self.budget - window, prefix_len)
         window_attention = snapkv_window_scores(q_window, k_cache, key_slots, scale)
         scores = self.scores(window_attention.float(), num_kv_heads).cpu()
-        top = scores.topk(keep, dim=-1).indices.sort(dim=-1).values
+        top = scores.topk(keep, dim=-1).indices
+        rest = scores.scatter(-1, top, float("-inf"))
+        margin = rest.topk(min(self.margin, prefix_len - keep), dim=-1).indices
         window_positions = torch.arange(prefix_len, prompt_len).expand(num_kv_heads, window)
-        return torch.cat([top, window_positions], dim=-1)
+        return torch.cat([top.sort(dim=-1).values, window_positions], dim=-1), margin
 
     def recent(self, summary_len: int, committed_len: int, prompt_len: int) -> torch.Tensor:
         """Positions read besides a summary of the first `summary_len` prompt tokens: the rest of
@@ -87,7 +99,8 @@ class SnapKVSelection:
     complete are scored and hold their summary. Each round, `slots` resolves the request's
     summary positions through its own `req_to_token` row, plus its recent tokens. Summaries are
     released with the request's KV and dropped when the radix cache frees their prompt.
-    Requests without a summary (the window was already cached) draft with the streaming policy.
+    A prompt that will compute its own summary keeps its window out of the radix match
+    (`max_prefix_len`), so every prompt of at least `min_context` tokens drafts with a summary.
     """
 
     def __init__(
@@ -103,13 +116,29 @@ class SnapKVSelection:
         self.fallback = fallback
         self.min_context = min_context
         self.store = SummaryStore(share_min_len=share_min_len)
+        self.without_summary = 0  # long prompts that drafted with the streaming fallback
         self.observer = WindowObserver(model)
         self.layers = sorted(self.observer.layers, key=lambda layer: layer.layer_id)
 
     # -- prefill: plan, observe, score --------------------------------------------------------
 
+    def max_prefix_len(self, req, limit: int) -> int:
+        """How much of `req`'s prompt SGLang may take from the radix cache (asked before it
+        matches, `limit` being its own bound): a prompt that will compute its own summary
+        prefills at least its observation window, whose queries only a forward produces. What
+        it costs is recomputing at most `obs_window` cached tokens."""
+        prompt = req.origin_input_ids
+        if (
+            len(prompt) < max(self.min_context, self.policy.obs_window + 1)
+            or req.rid in self.observer.pending
+            or self.store.held_by(req.rid) is not None
+            or self._reusable(prompt) is not None
+        ):
+            return limit
+        return min(limit, len(prompt) - self.policy.obs_window)
+
     def before_extend(self, batch, req_to_token: torch.Tensor) -> None:
-        """Per request starting its prefill: reuse a shared summary of a prefix of its prompt,
+        """Per request starting its prefill: reuse a summary sharing a prefix of its prompt,
         or watch its prompt's observation window to compute one; arm the observer."""
         window = self.policy.obs_window
         for req, row, prefix_len in zip(
@@ -122,22 +151,37 @@ class SnapKVSelection:
             prompt_len = len(prompt)
             if prompt_len < self.min_context:
                 continue  # drafts with its whole context
-            shared = self.store.find(prompt)
-            # A reuser keeps its own suffix as recent tokens: only worth it while that is short.
-            if shared is not None and prompt_len - shared.length <= self.policy.budget:
+            reusable = self._reusable(prompt)
+            if reusable is not None:
+                summary, shared_len = reusable
                 cached_slots = req_to_token[row, :prefix_len].to(torch.int64)
-                self.store.acquire(rid, shared, computed=False, cached_slots=cached_slots)
-                _report(req, "reused", shared)
+                self.store.acquire(
+                    rid, summary, computed=False, shared_len=shared_len, cached_slots=cached_slots
+                )
+                _report(req, "reused", summary, shared_len)
             elif prefix_len <= prompt_len - window:
                 self.observer.pending[rid] = PendingWindow(prompt_len, window)
-            else:  # window already cached and no summary of it: streaming draft
+            else:
+                # `max_prefix_len` keeps the window out of the radix match; this is a summary
+                # evicted between the scheduler's match and this forward.
+                logger.info("request %s: no summary and its window is cached: streaming", rid)
+                self.without_summary += 1
                 _report(req, "none", None)
         self.observer.observe([req.rid for req in batch.reqs], batch.prefix_lens, batch.extend_lens)
+
+    def _reusable(self, prompt: list[int]) -> tuple[Summary, int] | None:
+        """A stored summary sharing a prefix with `prompt`, and the prefix's length, if the
+        prompt's own suffix past it is short enough to be read whole as recent tokens."""
+        found = self.store.find(prompt)
+        if found is not None and len(prompt) - found[1] <= self.policy.budget:
+            return found
+        return None
 
     def after_extend(self, batch, req_to_token: torch.Tensor, kv_pool, failed: bool) -> None:
         """Disarm the hooks (always: kvpress removes its hooks in `finally` too); unless the
         forward failed, score the prompts whose whole window has been seen (their KV is in the
-        pool in every layer now) and hand each its summary."""
+        pool in every layer now) and hand each its summary, or one that an earlier of them just
+        computed over a prefix they share."""
         self.observer.disarm()
         if failed:
             return
@@ -146,9 +190,17 @@ class SnapKVSelection:
             if pending is None or not pending.complete:
                 continue
             del self.observer.pending[req.rid]
+            reusable = self._reusable(req.origin_input_ids)
+            if reusable is not None:
+                # A prompt prefilled alongside the one that just computed a summary of their
+                # shared prefix (one forward or chunk, no radix hit between them): share it too.
+                summary, shared_len = reusable
+                self.store.acquire(req.rid, summary, computed=False, shared_len=shared_len)
+                _report(req, "reused", summary, shared_len)
+                continue
             prompt_slots = req_to_token[row, : pending.prompt_len].to(torch.int64)
-            positions = torch.stack(
-                [
+            positions, margins = zip(
+                *(
                     self.policy.select_layer(
                         pending.queries[layer.layer_id],
                         kv_pool.get_key_buffer(layer.layer_id),
@@ -156,11 +208,13 @@ class SnapKVSelection:
                         layer.scaling,
                     )
                     for layer in self.layers
-                ]
+                ),
+                strict=True,
             )
             summary = Summary(
                 tokens=tuple(req.origin_input_ids),
-                positions=positions.to(torch.int32),
+                positions=torch.stack(positions).to(torch.int32),
+                margin=torch.stack(margins).to(torch.int32),
                 prompt_slots=prompt_slots[:-1].to("cpu", copy=True),  # not a view of the row
             )
             self.store.acquire(req.rid, summary, computed=True)
@@ -170,22 +224,28 @@ class SnapKVSelection:
 
     def slots(self, req, row: torch.Tensor, committed_len: int) -> torch.Tensor:
         """[layers, Hkv, n] pool slots of `req`'s draft ([1, 1, n] without a summary)."""
-        summary = self.store.held_by(req.rid)
-        if summary is None:
+        holding = self.store.held_by(req.rid)
+        if holding is None:
             return self.fallback.slots(req, row, committed_len)
-        recent = self.policy.recent(summary.length, committed_len, len(req.origin_input_ids))
-        chosen = row[summary.positions.to(row.device).long()]
+        prompt_len = len(req.origin_input_ids)
+        recent = self.policy.recent(holding.shared_len, committed_len, prompt_len)
+        chosen = row[holding.positions.to(row.device).long()]
         recent_slots = row[recent.to(row.device)].expand(*chosen.shape[:2], -1)
-        # Follow the prompt's KV where the holder has it now: SGLang moves a row onto the radix
-        # tree's copy when it caches a prompt another request already cached (and frees the
-        # duplicate).
-        summary.prompt_slots = row[: summary.length - 1].to("cpu", copy=True)
+        summary = holding.summary
+        if holding.shared_len == summary.length == prompt_len:
+            # The prompt's own summary follows its KV: SGLang moves a row onto the radix
+            # tree's copy when it caches a prompt another request already cached (and frees
+            # the duplicate).
+            summary.prompt_slots = row[: summary.length - 1].to("cpu", copy=True)
         return torch.cat([chosen, recent_slots], dim=-1).to(torch.int64)
 
     def check(self, req, row: torch.Tensor, committed_len: int, free_pages, page_size) -> None:
-        """Debug mode: the request's summary still describes KV that is allocated."""
-        summary = self.store.held_by(req.rid)
-        if summary is not None and free_pages is not None and free_pages.numel():
+        """Debug mode: a request whose own prompt the summary describes holds that KV."""
+        holding = self.store.held_by(req.rid)
+        if holding is None or free_pages is None or not free_pages.numel():
+            return
+        summary = holding.summary
+        if holding.shared_len == summary.length == len(req.origin_input_ids):
             summary_pages = summary.prompt_slots // page_size
             assert not bool(torch.isin(summary_pages, free_pages.cpu()).any()), (
                 "a held summary refers to freed KV slots"
@@ -204,13 +264,15 @@ class SnapKVSelection:
         self.store.clear_unheld()
 
     def info(self) -> dict:
-        return self.store.info()
+        return {**self.store.info(), "drafts_without_summary": self.without_summary}
 
 
-def _report(req, status: str, summary: Summary | None) -> None:
+def _report(req, status: str, summary: Summary | None, shared_len: int | None = None) -> None:
     """The request's `meta_info["magicdec_summary"]`, through SGLang's per-request
-    `customized_info` channel (a one-entry list: it rides with the first output token)."""
+    `customized_info` channel (a one-entry list: it rides with the first output token):
+    prefix_len is how many prompt tokens the summary covers (the shared part for a reuser)."""
     info = {"status": status}
     if summary is not None:
-        info.update(prefix_len=summary.length, digest=summary.digest)
+        shared_len = summary.length if shared_len is None else shared_len
+        info.update(prefix_len=shared_len, digest=summary.digest)
     req.customized_info = {"magicdec_summary": [info]}

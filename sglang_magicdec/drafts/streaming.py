@@ -43,7 +43,10 @@ class StreamingSelection:
         positions = self.policy.select(committed_len, len(req.origin_input_ids))
         return row[positions.to(row.device)].to(torch.int64)[None, None]
 
-    # Nothing kept across requests.
+    # Nothing kept across requests, nothing needed from the prefill.
+    def max_prefix_len(self, req, limit: int) -> int:
+        return limit
+
     def before_extend(self, batch, req_to_token: torch.Tensor) -> None:
         pass
 
