@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import requests
 import torch
 
 from sglang_magicdec.cost_model import alpha_from_accept_length
@@ -44,6 +46,18 @@ def greedy(server, input_ids, max_new_tokens, **params) -> dict:
 def run_concurrently(server, prompts, max_new_tokens, **params) -> list[dict]:
     with ThreadPoolExecutor(len(prompts)) as pool:
         return list(pool.map(lambda ids: greedy(server, ids, max_new_tokens, **params), prompts))
+
+
+def flush_when_idle(server, timeout_s: float = 60) -> dict:
+    """Flush the radix cache once no request runs (SGLang refuses a flush while requests run)
+    and return the server's load then; `num_used_tokens` 0 means no KV is left allocated."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        flushed = requests.post(f"{server.url}/flush_cache", timeout=30).status_code == 200
+        load = requests.get(f"{server.url}/v1/loads", timeout=30).json()["loads"][0]
+        if (flushed and load["num_running_reqs"] == 0) or time.monotonic() > deadline:
+            return load
+        time.sleep(1)
 
 
 def top2_gap(server, context: list[int]) -> float:

@@ -19,6 +19,7 @@ from sglang_magicdec.model import embedded_model_path
 from test.helpers import (
     GAMMA,
     assert_same_or_tie,
+    flush_when_idle,
     greedy,
     measured_alpha,
     pg19_texts,
@@ -136,14 +137,7 @@ def test_abort_mid_round_frees_everything(spec, long_prompts):
 
 def test_kv_pool_back_to_idle(spec, long_prompts):
     run_concurrently(spec, [long_prompts[6], long_prompts[7][:300]], 50, ignore_eos=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        # flush_cache is refused while requests run; it empties the radix cache when idle.
-        flushed = requests.post(f"{spec.url}/flush_cache", timeout=30).status_code == 200
-        load = requests.get(f"{spec.url}/v1/loads", timeout=30).json()["loads"][0]
-        if flushed and load["num_running_reqs"] == 0:
-            break
-        time.sleep(1)
+    load = flush_when_idle(spec)
     assert load["num_used_tokens"] == 0, load
 
 

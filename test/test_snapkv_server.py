@@ -7,7 +7,6 @@ from __future__ import annotations
 import random
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -18,6 +17,7 @@ from test.helpers import (
     POOL_ARGS,
     REPO,
     assert_same_or_tie,
+    flush_when_idle,
     greedy,
     measured_alpha,
     pg19_acceptance_prompts,
@@ -278,12 +278,7 @@ def test_eviction_retraction_and_aborts_under_kv_pressure(
     retractions = sum(result["meta_info"].get("num_retractions", 0) for _, _, result in outcomes)
     assert retractions > 0, "the pool should have been small enough to retract requests"
     # Back to idle: nothing held, nothing leaked.
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if requests.post(f"{pressed.url}/flush_cache", timeout=30).status_code == 200:
-            break
-        time.sleep(1)
-    load = requests.get(f"{pressed.url}/v1/loads", timeout=30).json()["loads"][0]
+    load = flush_when_idle(pressed)
     assert load["num_used_tokens"] == 0, load
     assert magicdec_info(pressed)["summaries_held"] == 0
 
