@@ -47,3 +47,13 @@ def test_platform_class_is_the_active_one_here():
 
     assert type(current_platform).__name__ == "MagicDecCpuPlatform"
     assert current_platform.get_default_attention_backend() == platforms.ATTENTION_BACKEND
+
+
+@pytest.mark.parametrize(
+    "cores,ranks,expected",
+    [([0, 1], 2, "0|1"), (list(range(8)), 3, "0-2|3-5|6-7"), ([3, 1], 4, "1|3|1|3"), ([5], 1, "5")],
+)
+def test_threads_bind_splits_the_cores_between_ranks(cores, ranks, expected):
+    from sglang_magicdec.platforms.cpu import threads_bind
+
+    assert threads_bind(cores, ranks) == expected

@@ -6,6 +6,8 @@ SGLang imports this module while it resolves its platform, on its first import; 
 
 from __future__ import annotations
 
+import os
+
 from sglang.srt.platforms.cpu import CpuDeviceMixin
 from sglang.srt.platforms.device_mixin import PlatformEnum
 from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
@@ -13,6 +15,24 @@ from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
 from sglang_magicdec.platforms import ATTENTION_BACKEND
 
 DEFAULT_MEM_FRACTION = 0.25
+# SGLang's CPU ranks bind their threads to this, one '|'-separated group per rank; unset, it
+# allows one rank per NUMA node (this machine has one).
+THREADS_BIND = "SGLANG_CPU_OMP_THREADS_BIND"
+
+
+def threads_bind(cores: list[int], ranks: int) -> str:
+    """`ranks` groups of the `cores` this process may use, contiguous, as SGLang's bind list
+    ("0-3|4-7"); with fewer cores than ranks, ranks share them round-robin."""
+    cores = sorted(cores)
+    if len(cores) < ranks:
+        return "|".join(str(cores[rank % len(cores)]) for rank in range(ranks))
+    size, extra = divmod(len(cores), ranks)
+    groups, start = [], 0
+    for rank in range(ranks):
+        group = cores[start : start + size + (rank < extra)]
+        start += len(group)
+        groups.append(f"{group[0]}-{group[-1]}" if len(group) > 1 else str(group[0]))
+    return "|".join(groups)
 
 
 class MagicDecCpuPlatform(CpuDeviceMixin, SRTPlatform):
@@ -33,6 +53,10 @@ class MagicDecCpuPlatform(CpuDeviceMixin, SRTPlatform):
             # SGLang's "auto" halves float32 checkpoints to float16 for GPUs; CPUs gain nothing
             # from that here, and float32 keeps outputs exact.
             server_args.dtype = "float32"
+        ranks = server_args.tp_size * server_args.dp_size * server_args.pp_size
+        if ranks > 1 and THREADS_BIND not in os.environ:
+            # Set in the launcher, which starts the ranks: `--tp 2` needs no extra environment.
+            os.environ[THREADS_BIND] = threads_bind(list(os.sched_getaffinity(0)), ranks)
         if server_args.mem_fraction_static is None:
             # SGLang's GPU default (~0.7 of free memory for KV) would take most of the machine's
             # RAM and make a start take 10+ s just to zero it.
