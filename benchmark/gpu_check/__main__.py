@@ -91,7 +91,7 @@ def time_point(shape, batch: int, args, device: torch.device, dtype) -> dict:
         timing = time_step(lambda: decoder.step(x, new_slots, attend), device, args.iters)
         return {**asdict(timing), "ms": timing.ms}
 
-    attend, point["decode_kernel"] = dense_decode(layout, shape.q_heads, dtype, device)
+    attend, point["decode_kernel"] = dense_decode(layout, shape.q_heads, device)
     point["decode"] = timed(attend, 1)
     head_slots = layout.draft_slots(
         min(SLOT_LIST_LAYERS, shape.layers), args.budget, RECENT_WINDOW, generator, device
@@ -102,7 +102,7 @@ def time_point(shape, batch: int, args, device: torch.device, dtype) -> dict:
         point["draft"][name] = {"skipped": attend} if isinstance(attend, str) else timed(attend, 1)
     point["verify"] = {}
     for gamma in range(1, args.max_gamma + 1):
-        attend, point["verify_kernel"] = dense_verify(layout, gamma + 1, dtype, device)
+        attend, point["verify_kernel"] = dense_verify(layout, gamma + 1, device)
         point["verify"][gamma] = timed(attend, gamma + 1)
     point["predicted"] = predict(point)
     return point

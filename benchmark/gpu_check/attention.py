@@ -107,7 +107,7 @@ class Layout:
         return lists.to(device)
 
 
-def dense_decode(layout: Layout, q_heads: int, dtype, device) -> tuple[Attend, str]:
+def dense_decode(layout: Layout, q_heads: int, device) -> tuple[Attend, str]:
     kernels, name = sglang_kernels()
     kv_indptr, kv_indices = layout.csr(1, device)
     if kernels is None:
@@ -131,7 +131,7 @@ def dense_decode(layout: Layout, q_heads: int, dtype, device) -> tuple[Attend, s
     return attend, f"{name} decode_attention_fwd"
 
 
-def dense_verify(layout: Layout, tokens: int, dtype, device) -> tuple[Attend, str]:
+def dense_verify(layout: Layout, tokens: int, device) -> tuple[Attend, str]:
     """γ + 1 = `tokens` queries per request over its context and, causally, each other."""
     kernels, name = sglang_kernels()
     if kernels is None:
@@ -194,12 +194,12 @@ def draft_kernels(head_slots: torch.Tensor, device) -> dict[str, Attend | str]:
         return sparse_decode_triton(q, k_buffer, v_buffer, slots, kv_lens, q.shape[-1] ** -0.5)
 
     kernels["magicdec sparse_decode_triton"] = ours
-    flat = [flatten_head_slots(slots, kv_lens) for slots in head_slots]  # once per round
     sglang, reason = sglang_kernels()
     if sglang is None:
         kernels["SGLang decode_attention_fwd, flat rows"] = reason
     else:
         decode_attention = sglang[0]
+        flat = [flatten_head_slots(slots, kv_lens) for slots in head_slots]  # once per round
 
         def sglang_flat(layer, q, k_buffer, v_buffer):
             kv_indptr, kv_indices = flat[layer % len(flat)]
@@ -246,12 +246,13 @@ def oracle(
     kv_heads = k_buffer.shape[1]
     group = q_heads // kv_heads
     out = torch.empty(rows, q_heads, v_buffer.shape[2], dtype=torch.float64)
+    q, k_buffer, v_buffer = q.cpu(), k_buffer.cpu(), v_buffer.cpu()  # once, not per row
     for row in range(rows):
         for head in range(kv_heads):
             slots = slot_lists[row][head].cpu()
-            keys = k_buffer.cpu()[slots, head].double()
-            values = v_buffer.cpu()[slots, head].double()
-            queries = q.cpu()[row, head * group : (head + 1) * group].double()
+            keys = k_buffer[slots, head].double()
+            values = v_buffer[slots, head].double()
+            queries = q[row, head * group : (head + 1) * group].double()
             probs = torch.softmax(queries @ keys.T * dim**-0.5, dim=-1)
             out[row, head * group : (head + 1) * group] = probs @ values
     return out

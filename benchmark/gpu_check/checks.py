@@ -50,7 +50,7 @@ def run_checks(device: torch.device, dtype: torch.dtype) -> list[Check]:
         batch = layout.batch
         context = [b * layout.stride + torch.arange(n) for b, n in enumerate(lens)]
         q = queries(batch)
-        attend, name = dense_decode(layout, q_heads, dtype, device)
+        attend, name = dense_decode(layout, q_heads, device)
         decode_lists = [
             [torch.cat([context[b], context[b][-1:] + 1])] * kv_heads for b in range(batch)
         ]
@@ -59,7 +59,7 @@ def run_checks(device: torch.device, dtype: torch.dtype) -> list[Check]:
         )
 
         q = queries(batch * VERIFY_TOKENS)
-        attend, name = dense_verify(layout, VERIFY_TOKENS, dtype, device)
+        attend, name = dense_verify(layout, VERIFY_TOKENS, device)
         verify_lists = [
             [torch.cat([context[b], context[b][-1] + 1 + torch.arange(t + 1)])] * kv_heads
             for b in range(batch)
