@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -144,10 +145,8 @@ class SummaryStore:
         `share_min_len` tokens, within its live part), and that prefix's length."""
         candidates: dict[int, Summary] = {}
         blocks = 0
-        previous = 0
-        for start in range(0, len(prompt) - self.block + 1, self.block):
-            previous = hash((previous, tuple(prompt[start : start + self.block])))
-            found = self._by_block.get(previous)
+        for block_hash in self._block_hashes(prompt):
+            found = self._by_block.get(block_hash)
             if not found:
                 break
             candidates, blocks = found, blocks + 1
@@ -242,12 +241,18 @@ class SummaryStore:
             "summaries_held": sum(1 for s in self._stored.values() if s.holders),
         }
 
-    def _store(self, summary: Summary) -> None:
+    def _block_hashes(self, tokens) -> Iterator[int]:
+        """The chained hash of each whole block of `tokens`, in order (lazily: a lookup stops
+        at the first block no summary has)."""
         previous = 0
-        for start in range(0, summary.length - self.block + 1, self.block):
-            previous = hash((previous, summary.tokens[start : start + self.block]))
-            summary.block_hashes.append(previous)
-            self._by_block.setdefault(previous, {})[id(summary)] = summary
+        for start in range(0, len(tokens) - self.block + 1, self.block):
+            previous = hash((previous, tuple(tokens[start : start + self.block])))
+            yield previous
+
+    def _store(self, summary: Summary) -> None:
+        for block_hash in self._block_hashes(summary.tokens):
+            summary.block_hashes.append(block_hash)
+            self._by_block.setdefault(block_hash, {})[id(summary)] = summary
         self._stored[id(summary)] = summary
 
     def _remove(self, summary: Summary) -> None:
