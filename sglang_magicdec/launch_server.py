@@ -55,7 +55,11 @@ def prepare(argv: list[str]):
     from sglang.srt.server_args import prepare_server_args
 
     from sglang_magicdec.config import config_from_args
-    from sglang_magicdec.model import EmbeddedModelError, embedded_model_path
+    from sglang_magicdec.model import (
+        EmbeddedModelError,
+        check_tensor_parallel,
+        embedded_model_path,
+    )
 
     args = build_parser().parse_args(argv)
     try:
@@ -75,6 +79,9 @@ def prepare(argv: list[str]):
     try:
         server_args = prepare_server_args(sglang_argv)
         server_args.resolve_once()
+        check_tensor_parallel(
+            server_args.model_path, server_args.tp_size, server_args.trust_remote_code
+        )
     except SystemExit:
         raise
     except Exception as exc:  # noqa: BLE001 - SGLang validates with assorted exception types

@@ -3,6 +3,10 @@
 SGLang loads safetensors folders, so on first use the GGUF file is dequantised once (transformers
 + gguf) into a folder under the user cache directory; later starts reuse it. Nothing here touches
 the network.
+
+Its 3 KV heads do not split over 2 tensor-parallel ranks, so `write_tiny_llama` cuts a model that
+does out of it (`python -m sglang_magicdec.model tiny-llama DIR`), and `check_tensor_parallel`
+turns a model that cannot split into one line at launch.
 """
 
 from __future__ import annotations
@@ -116,3 +120,96 @@ def embedded_model_path() -> str:
                     f"remove {folder} and retry, or reinstall: {INSTALL_HINT}"
                 ) from exc
     return str(folder)
+
+
+# A 2-layer Llama with even head counts (4 query / 2 KV heads, head dim 64) cut out of the
+# embedded model's real weights: small enough for Triton's CPU interpreter and for tensor
+# parallelism over 2 ranks, and its logits are peaked like a trained model's (random
+# `--load-format dummy` weights would make greedy decoding a chain of near-ties, so exactness
+# tests could not tell a wrong token from a tie).
+TINY_LAYERS, TINY_Q_HEADS, TINY_KV_HEADS = 2, (0, 1, 3, 4), (0, 1)
+
+
+def write_tiny_llama(folder: Path) -> Path:
+    """Write the tiny model into `folder` (config, safetensors, the embedded tokenizer). The query
+    heads kept belong to the KV heads kept (SmolLM2 groups 3 query heads per KV head)."""
+    import shutil
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    source = Path(embedded_model_path())
+    config = json.loads((source / "config.json").read_text())
+    head_dim = config["head_dim"]
+
+    def rows(heads):
+        return torch.cat([torch.arange(h * head_dim, (h + 1) * head_dim) for h in heads])
+
+    q_rows, kv_rows = rows(TINY_Q_HEADS), rows(TINY_KV_HEADS)
+    tensors = {}
+    with safe_open(str(source / "model.safetensors"), "pt") as weights:
+        for name in weights.keys():
+            if ".layers." in name and int(name.split(".layers.")[1].split(".")[0]) >= TINY_LAYERS:
+                continue
+            tensor = weights.get_tensor(name)
+            if name.endswith("q_proj.weight"):
+                tensor = tensor[q_rows]
+            elif name.endswith(("k_proj.weight", "v_proj.weight")):
+                tensor = tensor[kv_rows]
+            elif name.endswith("o_proj.weight"):
+                tensor = tensor[:, q_rows]
+            tensors[name] = tensor.contiguous()
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config.update(
+        num_hidden_layers=TINY_LAYERS,
+        num_attention_heads=len(TINY_Q_HEADS),
+        num_key_value_heads=len(TINY_KV_HEADS),
+    )
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (source / name).is_file():
+            shutil.copy(source / name, folder / name)
+    return folder
+
+
+def check_tensor_parallel(model_path: str, tp_size: int, trust_remote_code: bool = False) -> None:
+    """Raise ValueError (one line) when the model's heads cannot split over `tp_size` ranks:
+    SGLang needs the query heads to divide by it, and the KV heads to divide by it or (then
+    replicated) divide it; otherwise a rank fails deep in weight loading."""
+    if tp_size <= 1:
+        return
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(config, "num_attention_heads", None)
+    if heads is None:
+        return
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if heads % tp_size == 0 and (kv_heads % tp_size == 0 or tp_size % kv_heads == 0):
+        return
+    raise ValueError(
+        f"--tp {tp_size}: {Path(model_path).name} has {heads} attention heads and {kv_heads} KV "
+        f"heads; tensor parallelism needs the attention heads to divide by --tp and the KV heads "
+        f"to divide by --tp or divide it (the embedded model cannot split; "
+        f"`python -m sglang_magicdec.model tiny-llama DIR` writes one that can)"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m sglang_magicdec.model")
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("path", help="print the embedded model's folder (converting it once)")
+    tiny = commands.add_parser("tiny-llama", help="write the 2-KV-head tiny model into DIR")
+    tiny.add_argument("folder", type=Path, metavar="DIR")
+    args = parser.parse_args(argv)
+    print(embedded_model_path() if args.command == "path" else write_tiny_llama(args.folder))
+
+
+if __name__ == "__main__":
+    main()

@@ -9,8 +9,9 @@ min-p as `top_k_top_p_min_p_sampling_from_probs_torch` applies them), so "the ta
 request's own sampling parameters. Greedy rows (SGLang stores temperature 0 as top-k 1) are
 one-hot, for which this reduces to greedy acceptance.
 
-All randomness comes in as uniforms, so a caller can draw them from per-request seeded
-generators (reproducible outputs) and tests can drive the sampler exactly. SGLang's own chain
+All randomness comes in as uniforms, so tests can drive the sampler exactly. Requests with a
+`sampling_seed` are sampled by `seeded_sample` instead, a coupling that makes their output a
+function of the seed alone (reproducible at any γ), at some cost in acceptance. SGLang's own chain
 sampling is a CUDA kernel (sgl_kernel); this is the torch version, used on every platform.
 """
 
@@ -29,6 +30,13 @@ def sampling_probs(
     """[N, V] logits → [N, V] normalised float32 probabilities after the sampling transforms.
     Parameters are per row ([N] or [N, 1])."""
     probs = torch.softmax(logits.float() / temperatures.view(-1, 1).float(), dim=-1)
+    return filtered_probs(probs, top_ks, top_ps, min_ps)
+
+
+def filtered_probs(
+    probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor
+) -> torch.Tensor:
+    """Top-k, then top-p and min-p, of [N, V] probabilities (after temperature), renormalised."""
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     rank = torch.arange(probs.shape[-1], device=probs.device)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
@@ -37,6 +45,28 @@ def sampling_probs(
     sorted_probs = sorted_probs.masked_fill(dropped, 0.0)
     filtered = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return filtered / filtered.sum(dim=-1, keepdim=True)
+
+
+def seeded_sample(
+    probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """One token per row of [N, V] probabilities that depends on nothing but the row's seed, its
+    position and the distribution: an exponential race, argmax_v p_v / E_v, the E_v ~ Exp(1)
+    drawn from a generator seeded by (seed, position) (the Gumbel-max trick in another form).
+    Over random seeds it is a sample of `probs`.
+
+    A request with `sampling_seed` takes every token this way: the draft proposes
+    `seeded_sample(q)`, the target keeps it while it equals `seeded_sample(p)` (so acceptance is
+    greedy acceptance, and a draft close to the target mostly wins the same race), and plain steps
+    take `seeded_sample(p)` too. The token at a position is thus the same whether a draft, a verify
+    pass or a plain step produced it, however γ split the request into rounds and whatever ran
+    beside it in the batch."""
+    races = []
+    for seed, position in zip(seeds.tolist(), positions.tolist(), strict=True):
+        generator = torch.Generator().manual_seed((seed * 1_000_003 + position) % 2**63)
+        races.append(torch.rand(probs.shape[-1], generator=generator))
+    exponentials = -torch.log(torch.stack(races)).to(probs.device)
+    return (probs.float() / exponentials).argmax(dim=-1)
 
 
 def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

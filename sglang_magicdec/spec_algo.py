@@ -74,6 +74,14 @@ def validate_server_args(server_args) -> None:
             f"{ALGORITHM}'s draft kernels read 16/32-bit KV: --kv-cache-dtype "
             f"{server_args.kv_cache_dtype} is not supported"
         )
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    if resolving_view(server_args).attn_dp_size > 1:
+        # Attention-DP ranks hold different batches, so their rounds (γ, draft steps) would
+        # differ while their MLPs run collectives together.
+        raise ValueError(f"{ALGORITHM} does not run with attention DP; use --dp or --tp")
+    if server_args.pp_size > 1:
+        raise ValueError(f"{ALGORITHM} does not run with pipeline parallelism (--pp-size > 1)")
     from sglang.srt.arg_groups.model_override_base import attention_backends_of
 
     from sglang_magicdec.gpu_attention import check_attention_backends

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from sglang.srt.layers.logprob_processor import compute_spec_logprobs
@@ -30,7 +30,7 @@ from sglang.srt.managers.schedule_batch import ScheduleBatch
 from sglang.srt.managers.tp_worker import TpModelWorker
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
-from sglang.srt.runtime_context import get_spec
+from sglang.srt.runtime_context import get_parallel, get_spec
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 
@@ -40,9 +40,11 @@ from sglang_magicdec.drafts import make_selection
 from sglang_magicdec.plugin import subscribe_to_radix_cache
 from sglang_magicdec.sampling import (
     chain_rejection_sample,
+    filtered_probs,
     greedy_accept,
     sample_from,
     sampling_probs,
+    seeded_sample,
 )
 from sglang_magicdec.spec_info import DraftRound, MagicDecInput
 
@@ -97,6 +99,13 @@ class MagicDecWorker(BaseSpecWorker):
         self.draft = make_selection(self.config, self.model_runner.model)
         self.stats = AcceptanceStats()
         self.cost_model = CostModel(gamma_max=self.gamma) if self.config.gamma == "auto" else None
+        # Tensor-parallel ranks must run the same round. Data every rank shares decides it
+        # (the batch, the accepted tokens, the store's events), except what each rank times or
+        # draws: γ = auto is decided on the first rank and broadcast, and unseeded uniforms come
+        # from a generator every rank seeds and consumes alike (SGLang's sampler likewise relies
+        # on identical seeds rather than syncing its tokens).
+        self.tp_group = get_parallel().tp_group
+        self.rng = torch.Generator().manual_seed(target_worker.random_seed)
         subscribe_to_radix_cache(self)
         logger.info(
             "MagicDec: %s, gamma=%d, dense below %d tokens",
@@ -151,6 +160,7 @@ class MagicDecWorker(BaseSpecWorker):
             self.draft.after_extend(
                 batch, req_to_token, self.model_runner.token_to_kv_pool, failed=failed
             )
+        self._take_seeded_tokens(batch, result, batch.seq_lens.to(torch.int64) - 1)
         if on_publish is not None:
             on_publish(batch.seq_lens)
         # Extend results carry one token per request, unpadded (the prefill's first token).
@@ -174,7 +184,10 @@ class MagicDecWorker(BaseSpecWorker):
         greedy = batch.sampling_info.is_all_greedy
         if not greedy:
             params = self._sampling_params(batch)
-            uniforms = self._uniforms(batch, committed, gamma)  # draft draws, tests, last draw
+            # [B, 2γ+1]: γ draft draws, γ acceptance tests, the last draw.
+            uniforms = torch.rand(len(batch.reqs), 2 * gamma + 1, generator=self.rng)
+            uniforms = uniforms.to(self.device)
+            seeds, seeded = self._seeds(batch)
             draft_probs = []
 
         for step in range(gamma):
@@ -184,6 +197,9 @@ class MagicDecWorker(BaseSpecWorker):
             else:
                 draft_probs.append(sampling_probs(logits, *params))
                 next_tokens = sample_from(draft_probs[-1], uniforms[:, step])
+                if seeded is not None:
+                    coupled = seeded_sample(draft_probs[-1], seeds, committed + step)
+                    next_tokens = torch.where(seeded, coupled, next_tokens)
             tokens = torch.cat([tokens, next_tokens[:, None]], dim=1)
 
         drafted = self._clock()
@@ -205,6 +221,15 @@ class MagicDecWorker(BaseSpecWorker):
                 uniforms[:, gamma : 2 * gamma],
                 uniforms[:, 2 * gamma],
             )
+            if seeded is not None:
+                positions = committed[:, None] + torch.arange(width)
+                coupled = seeded_sample(
+                    target_probs.flatten(0, 1), seeds.repeat_interleave(width), positions.flatten()
+                ).view(tokens.shape)
+                target = torch.where(seeded[:, None], coupled, target)
+                accept_lens = torch.where(seeded, greedy_accept(tokens, coupled), accept_lens)
+        if self.config.debug and self.tp_group.world_size > 1:
+            self._check_ranks_agree(target, accept_lens)
         self.stats.record(accept_lens, gamma)
         if self.cost_model is not None:
             self.cost_model.record_round(
@@ -232,6 +257,7 @@ class MagicDecWorker(BaseSpecWorker):
         self._set_lens(batch, committed + 1)
         batch.spec_info = None
         result = self.target_worker.forward_batch_generation(batch)
+        self._take_seeded_tokens(batch, result, committed)
         if self.cost_model is not None:
             self.cost_model.record_decode(bucket, self._clock() - started)
         if batch.return_logprob:
@@ -324,6 +350,8 @@ class MagicDecWorker(BaseSpecWorker):
         previous = self.cost_model.last
         mean_context = self._mean_context(batch)
         decision = self.cost_model.choose([req.rid for req in batch.reqs], mean_context)
+        if self.tp_group.world_size > 1:
+            decision = self._decided_by_first_rank(decision)
         if previous is None or previous.gamma != decision.gamma:
             logger.info(
                 "MagicDec γ %s -> %d (batch %d, mean context %d, %s, predicted %.2fx)",
@@ -335,6 +363,18 @@ class MagicDecWorker(BaseSpecWorker):
                 decision.predicted_speedup,
             )
         return decision.gamma
+
+    def _decided_by_first_rank(self, decision):
+        """The first TP rank's γ, on every rank: each rank times its own steps, so each cost
+        model may pick differently, and ranks running different rounds would deadlock."""
+        gamma = torch.tensor([decision.gamma], dtype=torch.int64)
+        torch.distributed.broadcast(
+            gamma, src=self.tp_group.ranks[0], group=self.tp_group.cpu_group
+        )
+        if int(gamma) != decision.gamma:
+            decision = replace(decision, gamma=int(gamma), reason="first TP rank's choice")
+            self.cost_model.last = decision
+        return decision
 
     def _gamma_info(self) -> dict:
         if self.cost_model is None:
@@ -406,20 +446,40 @@ class MagicDecWorker(BaseSpecWorker):
             torch.cuda.synchronize()
         return time.perf_counter()
 
-    def _uniforms(self, batch: ScheduleBatch, committed: torch.Tensor, gamma: int) -> torch.Tensor:
-        """[batch, 2γ+1] uniforms for one round: γ draft draws, γ acceptance tests, the final
-        draw. A request with `sampling_seed` draws from a generator seeded by its seed and
-        position, so the same request gives the same output; the others share torch's RNG."""
-        width = 2 * gamma + 1
-        rows = []
-        for req, position in zip(batch.reqs, committed.tolist(), strict=True):
-            seed = req.sampling_params.sampling_seed
-            if seed is None:
-                rows.append(torch.rand(width))
-            else:
-                generator = torch.Generator().manual_seed((seed * 1_000_003 + position) % 2**63)
-                rows.append(torch.rand(width, generator=generator))
-        return torch.stack(rows).to(self.device)
+    def _seeds(self, batch: ScheduleBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[B] seeds and [B] which rows sample with their `sampling_seed` (None: no row does).
+        Greedy rows (top-k 1) need no seed."""
+        seeds = [req.sampling_params.sampling_seed for req in batch.reqs]
+        seeded = torch.tensor(
+            [seed is not None and req.sampling_params.top_k != 1
+             for seed, req in zip(seeds, batch.reqs, strict=True)]
+        )  # fmt: skip
+        if not bool(seeded.any()):
+            return torch.zeros(len(seeds), dtype=torch.int64), None
+        seeds = torch.tensor([seed or 0 for seed in seeds], dtype=torch.int64)
+        return seeds.to(self.device), seeded.to(self.device)
+
+    def _take_seeded_tokens(self, batch, result, positions: torch.Tensor) -> None:
+        """Rows with a `sampling_seed` take `seeded_sample`'s token in steps SGLang's sampler ran
+        (the prefill's first token, plain decode steps), as they do in speculative rounds: their
+        output is then one function of the seed whatever γ each step had. SGLang's own sampler
+        honours the seed only under --enable-deterministic-inference. Batches whose logits
+        something rewrites per token (`_can_speculate`) or that return logprobs keep SGLang's."""
+        if batch.sampling_info.is_all_greedy or batch.return_logprob:
+            return
+        seeds, seeded = self._seeds(batch)
+        if seeded is None or not self._can_speculate(batch):
+            return
+        # SGLang's sampler has left softmax(logits / temperature) in place of the logits.
+        probs = result.logits_output.next_token_logits
+        if self.config.debug:
+            sums = probs.sum(dim=-1)
+            assert torch.allclose(sums, torch.ones_like(sums), atol=1e-3), "logits, not probs"
+        info = batch.sampling_info
+        probs = filtered_probs(probs[seeded], info.top_ks[seeded], info.top_ps[seeded],
+                               info.min_ps[seeded])  # fmt: skip
+        tokens = seeded_sample(probs, seeds[seeded], positions.to(self.device)[seeded])
+        result.next_token_ids[seeded] = tokens.to(result.next_token_ids.dtype)
 
     def _check_selection(self, req, row: torch.Tensor, length: int, slots: torch.Tensor) -> None:
         """Debug mode: every selected slot belongs to the request's live committed KV, none is
@@ -441,6 +501,20 @@ class MagicDecWorker(BaseSpecWorker):
                 f"output={len(req.output_ids)}"
             )
         self.draft.check(req, row, length, free, allocator.page_size)
+
+    def _check_ranks_agree(self, target: torch.Tensor, accept_lens: torch.Tensor) -> None:
+        """Debug mode under TP: every rank committed the same tokens this round (they sample from
+        the same gathered logits with the same uniforms, so only a rank-local decision differs)."""
+        mine = torch.cat([accept_lens.to(torch.int64).cpu(), target.reshape(-1).cpu()])
+        first = mine.clone()
+        torch.distributed.broadcast(
+            first, src=self.tp_group.ranks[0], group=self.tp_group.cpu_group
+        )
+        if not torch.equal(first, mine):
+            raise AssertionError(
+                f"TP rank {self.tp_group.rank_in_group} committed {mine.tolist()} where the first "
+                f"rank committed {first.tolist()}"
+            )
 
     def _round_slots(
         self, batch: ScheduleBatch, committed: torch.Tensor, width: int

@@ -75,3 +75,12 @@ def tokenizer():
     from sglang_magicdec.model import embedded_model_path
 
     return AutoTokenizer.from_pretrained(embedded_model_path())
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """The 2-layer, 4-query / 2-KV-head model cut from the embedded one: it splits over 2
+    tensor-parallel ranks and runs under Triton's CPU interpreter."""
+    from sglang_magicdec.model import write_tiny_llama
+
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))

@@ -38,6 +38,14 @@ def pg19_acceptance_prompts(tokenizer) -> list[list[int]]:
     return [tokenizer(text[:16000])["input_ids"] for text in pg19_texts("4K", count=6)]
 
 
+def pg19_prompts(tokenizer, lengths: tuple[int, ...]) -> list[list[int]]:
+    """The first PG-19 4K documents, one per length, tokenized and cut to it (ragged batches)."""
+    texts = pg19_texts("4K", count=len(lengths))
+    return [
+        tokenizer(text)["input_ids"][:length] for text, length in zip(texts, lengths, strict=True)
+    ]
+
+
 def greedy(server, input_ids, max_new_tokens, **params) -> dict:
     sampling = {"max_new_tokens": max_new_tokens, "temperature": 0, **params}
     return server.generate({"input_ids": input_ids, "sampling_params": sampling})
@@ -104,53 +112,3 @@ def pg19_texts(length: str = "4K", count: int = 20) -> list[str]:
         pytest.skip(f"PG-19 data not found at {path} (set MAGICDEC_DATA to the shared/data folder)")
     with path.open() as handle:
         return [json.loads(line)["text"] for line in handle][:count]
-
-
-# A 2-layer Llama with even head counts (4 query / 2 KV heads, head dim 64) cut out of the
-# embedded model's real weights: small enough for Triton's CPU interpreter, and its logits are
-# peaked like a trained model's (random dummy weights would make greedy decoding a chain of ties).
-TINY_LAYERS, TINY_Q_HEADS, TINY_KV_HEADS = 2, (0, 1, 3, 4), (0, 1)
-
-
-def tiny_llama(folder: Path) -> Path:
-    """Write the tiny model into `folder` (config, safetensors, the embedded tokenizer)."""
-    import shutil
-
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    from sglang_magicdec.model import embedded_model_path
-
-    source = Path(embedded_model_path())
-    config = json.loads((source / "config.json").read_text())
-    head_dim = config["head_dim"]
-
-    def rows(heads):
-        return torch.cat([torch.arange(h * head_dim, (h + 1) * head_dim) for h in heads])
-
-    q_rows, kv_rows = rows(TINY_Q_HEADS), rows(TINY_KV_HEADS)
-    tensors = {}
-    with safe_open(str(source / "model.safetensors"), "pt") as weights:
-        for name in weights.keys():
-            if ".layers." in name and int(name.split(".layers.")[1].split(".")[0]) >= TINY_LAYERS:
-                continue
-            tensor = weights.get_tensor(name)
-            if name.endswith("q_proj.weight"):
-                tensor = tensor[q_rows]
-            elif name.endswith(("k_proj.weight", "v_proj.weight")):
-                tensor = tensor[kv_rows]
-            elif name.endswith("o_proj.weight"):
-                tensor = tensor[:, q_rows]
-            tensors[name] = tensor.contiguous()
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    config.update(
-        num_hidden_layers=TINY_LAYERS,
-        num_attention_heads=len(TINY_Q_HEADS),
-        num_key_value_heads=len(TINY_KV_HEADS),
-    )
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        if (source / name).is_file():
-            shutil.copy(source / name, folder / name)
-    return folder

@@ -10,6 +10,7 @@ from sglang_magicdec.sampling import (
     greedy_accept,
     sample_from,
     sampling_probs,
+    seeded_sample,
 )
 
 SAMPLES = 400_000
@@ -114,3 +115,37 @@ def test_greedy_accept_with_gamma_one():
     tokens = torch.tensor([[7, 8], [7, 0]])
     target = torch.tensor([[8, 4], [8, 4]])
     assert greedy_accept(tokens, target).tolist() == [2, 1]
+
+
+def test_seeded_sample_follows_the_distribution_over_seeds():
+    """One draw per seed at a fixed position: the tokens follow the distribution."""
+    generator = torch.Generator().manual_seed(3)
+    vocab, draws = 6, 200_000
+    probs = random_distribution(generator, vocab)
+    tokens = seeded_sample(probs.expand(draws, -1), torch.arange(draws), torch.full((draws,), 17))
+    frequencies = torch.bincount(tokens, minlength=vocab).float() / draws
+    assert torch.allclose(frequencies, probs, atol=5 * (0.25 / draws) ** 0.5), (frequencies, probs)
+
+
+def test_seeded_sample_depends_only_on_seed_position_and_distribution():
+    """The same (seed, position, distribution) gives the same token in any row of any batch;
+    another position or seed draws afresh, and where draft and target agree the coupled draft
+    is kept: with q = p every draft of a chain is accepted."""
+    generator = torch.Generator().manual_seed(4)
+    vocab, rows = 50, 64
+    probs = torch.stack([random_distribution(generator, vocab, 0.5) for _ in range(rows)])
+    seeds, positions = torch.arange(rows) * 7 + 1, torch.arange(rows) + 100
+    tokens = seeded_sample(probs, seeds, positions)
+    order = torch.randperm(rows, generator=generator)
+    assert torch.equal(seeded_sample(probs[order], seeds[order], positions[order]), tokens[order])
+    assert torch.equal(seeded_sample(probs[:5], seeds[:5], positions[:5]), tokens[:5])
+    assert not torch.equal(seeded_sample(probs, seeds, positions + 1), tokens)
+    assert not torch.equal(seeded_sample(probs, seeds + 1, positions), tokens)
+    # A chain of γ = 4 whose draft distribution equals the target's: every draft is kept.
+    gamma = 4
+    chain = probs[: gamma + 1]
+    chain_positions = torch.arange(gamma + 1) + 10
+    target = seeded_sample(chain, torch.full((gamma + 1,), 9), chain_positions)
+    drafts = seeded_sample(chain[:gamma], torch.full((gamma,), 9), chain_positions[:gamma])
+    tokens_in_round = torch.cat([torch.tensor([0]), drafts])[None]
+    assert greedy_accept(tokens_in_round, target[None]).item() == gamma + 1

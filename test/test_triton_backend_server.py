@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import requests
 
-from test.helpers import assert_same_or_tie, pg19_texts, run_concurrently, tiny_llama
+from test.helpers import assert_same_or_tie, pg19_prompts, run_concurrently
 
 pytestmark = pytest.mark.server  # starts real SGLang servers
 
@@ -23,11 +23,10 @@ GAMMA = 3
 
 
 @pytest.fixture(scope="module")
-def tiny_args(tmp_path_factory) -> tuple[str, ...]:
-    model = tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+def tiny_args(tiny_llama) -> tuple[str, ...]:
     return (
         "--model-path",
-        str(model),
+        str(tiny_llama),
         "--attention-backend",
         "triton",
         "--dtype",
@@ -51,11 +50,7 @@ def magicdec_args(*extra: str) -> tuple[str, ...]:
 
 @pytest.fixture(scope="module")
 def prompts(tokenizer) -> list[list[int]]:
-    texts = pg19_texts("4K", count=len(PROMPT_LENS))
-    return [
-        tokenizer(text)["input_ids"][:length]
-        for text, length in zip(texts, PROMPT_LENS, strict=True)
-    ]
+    return pg19_prompts(tokenizer, PROMPT_LENS)
 
 
 @pytest.fixture(scope="module")
