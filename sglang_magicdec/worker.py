@@ -222,7 +222,7 @@ class MagicDecWorker(BaseSpecWorker):
                 uniforms[:, 2 * gamma],
             )
             if seeded is not None:
-                positions = committed[:, None] + torch.arange(width)
+                positions = committed[:, None] + torch.arange(width, device=committed.device)
                 coupled = seeded_sample(
                     target_probs.flatten(0, 1), seeds.repeat_interleave(width), positions.flatten()
                 ).view(tokens.shape)
@@ -316,7 +316,7 @@ class MagicDecWorker(BaseSpecWorker):
     def _verify(self, batch, committed, tokens, round_slots) -> GenerationBatchResult:
         """TARGET_VERIFY over [x0, d1..dγ] at S..S+γ, full attention, exact KV into the slots."""
         width = tokens.shape[1]
-        offsets = torch.arange(width, dtype=torch.int64)
+        offsets = torch.arange(width, dtype=torch.int64, device=committed.device)
         batch.forward_mode = ForwardMode.TARGET_VERIFY
         batch.input_ids = tokens.reshape(-1).contiguous()
         batch.out_cache_loc = round_slots[:, :width].reshape(-1).contiguous()
@@ -520,7 +520,9 @@ class MagicDecWorker(BaseSpecWorker):
         self, batch: ScheduleBatch, committed: torch.Tensor, width: int
     ) -> torch.Tensor:
         """[batch, width] pool slots reserved for positions S..S+width-1."""
-        positions = committed[:, None] + torch.arange(width, dtype=torch.int64)
+        positions = committed[:, None] + torch.arange(
+            width, dtype=torch.int64, device=committed.device
+        )
         rows = batch.req_pool_indices.to(torch.int64)[:, None]
         return self.req_to_token_pool.req_to_token[rows, positions].to(torch.int64)
 
