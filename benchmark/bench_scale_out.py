@@ -35,9 +35,8 @@ def pg19(data: Path, count: int) -> list[str]:
         return [json.loads(line)["text"] for line in handle][:count]
 
 
-def tp_rows(data: Path, new_tokens: int, log_dir: Path) -> list[str]:
+def tp_rows(data: Path, tokenizer, new_tokens: int, log_dir: Path) -> list[str]:
     model = write_tiny_llama(log_dir / "tiny-llama")
-    tokenizer = load_tokenizer()
     texts = pg19(data, len(TINY_PROMPT_TOKENS))
     prompts = [
         tokenizer(text)["input_ids"][:length]
@@ -75,8 +74,7 @@ def sampled(server, prompts, new_tokens: int, temperature: float, seeded: bool) 
         return list(pool.map(one, range(len(prompts))))
 
 
-def seeded_rows(data: Path, new_tokens: int, log_dir: Path) -> list[str]:
-    tokenizer = load_tokenizer()
+def seeded_rows(data: Path, tokenizer, new_tokens: int, log_dir: Path) -> list[str]:
     prompts = [tokenizer(text[:16000])["input_ids"] for text in pg19(data, 6)]
     server = start_server(
         ["--dtype", "float32", "--max-total-tokens", "60000", "--speculative-algorithm",
@@ -103,15 +101,16 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "scale_out.md")
     args = parser.parse_args()
     log_dir = Path(tempfile.mkdtemp(prefix="bench-scale-out-"))
+    tokenizer = load_tokenizer()  # the tiny model's too
     sections = []
     if "tp" in args.parts:
-        rows = tp_rows(args.data, args.new_tokens, log_dir)
+        rows = tp_rows(args.data, tokenizer, args.new_tokens, log_dir)
         sections.append(
             "## Acceptance at TP 1 and TP 2 (tiny model, 6 PG-19 prompts of 1.7K–2.3K tokens, "
             f"{args.new_tokens} greedy tokens, γ = {GAMMA}, budget 256)\n\n" + "\n".join(rows)
         )
     if "seeded" in args.parts:
-        rows = seeded_rows(args.data, args.new_tokens, log_dir)
+        rows = seeded_rows(args.data, tokenizer, args.new_tokens, log_dir)
         sections.append(
             "## Rejection sampling vs the seeded race (SmolLM2, 6 PG-19 prompts of ~3.7K tokens, "
             f"{args.new_tokens} sampled tokens, SnapKV budget 512, γ = {GAMMA})\n\n"

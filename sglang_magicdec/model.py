@@ -204,11 +204,10 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(prog="python -m sglang_magicdec.model")
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("path", help="print the embedded model's folder (converting it once)")
     tiny = commands.add_parser("tiny-llama", help="write the 2-KV-head tiny model into DIR")
     tiny.add_argument("folder", type=Path, metavar="DIR")
     args = parser.parse_args(argv)
-    print(embedded_model_path() if args.command == "path" else write_tiny_llama(args.folder))
+    print(write_tiny_llama(args.folder))
 
 
 if __name__ == "__main__":

@@ -367,12 +367,9 @@ class MagicDecWorker(BaseSpecWorker):
     def _decided_by_first_rank(self, decision):
         """The first TP rank's γ, on every rank: each rank times its own steps, so each cost
         model may pick differently, and ranks running different rounds would deadlock."""
-        gamma = torch.tensor([decision.gamma], dtype=torch.int64)
-        torch.distributed.broadcast(
-            gamma, src=self.tp_group.ranks[0], group=self.tp_group.cpu_group
-        )
-        if int(gamma) != decision.gamma:
-            decision = replace(decision, gamma=int(gamma), reason="first TP rank's choice")
+        gamma = int(self._first_ranks(torch.tensor([decision.gamma], dtype=torch.int64)))
+        if gamma != decision.gamma:
+            decision = replace(decision, gamma=gamma, reason="first TP rank's choice")
             self.cost_model.last = decision
         return decision
 
@@ -506,15 +503,20 @@ class MagicDecWorker(BaseSpecWorker):
         """Debug mode under TP: every rank committed the same tokens this round (they sample from
         the same gathered logits with the same uniforms, so only a rank-local decision differs)."""
         mine = torch.cat([accept_lens.to(torch.int64).cpu(), target.reshape(-1).cpu()])
-        first = mine.clone()
-        torch.distributed.broadcast(
-            first, src=self.tp_group.ranks[0], group=self.tp_group.cpu_group
-        )
+        first = self._first_ranks(mine.clone())
         if not torch.equal(first, mine):
             raise AssertionError(
                 f"TP rank {self.tp_group.rank_in_group} committed {mine.tolist()} where the first "
                 f"rank committed {first.tolist()}"
             )
+
+    def _first_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        """`values` (a CPU tensor) replaced in place by the first TP rank's, over the TP group's
+        CPU (gloo) group; every rank must call it at the same point."""
+        torch.distributed.broadcast(
+            values, src=self.tp_group.ranks[0], group=self.tp_group.cpu_group
+        )
+        return values
 
     def _round_slots(
         self, batch: ScheduleBatch, committed: torch.Tensor, width: int
