@@ -105,10 +105,23 @@ class MagicDecAttnBackend(AttentionBackend):
                 self._flashinfer.new_step()
             return
         self.draft = None
-        if forward_batch.forward_mode.is_target_verify() and self.dense_name == "fa3":
-            # fa3 sizes verify metadata by the server's draft width, read once at start; a
-            # γ = auto round is narrower. Eager verify only (graphs are off with MAGICDEC).
+        if (
+            self.dense_name == "fa3"
+            and forward_batch.forward_mode.is_target_verify()
+            and isinstance(spec_info, MagicDecInput)
+        ):
+            # fa3 sizes a verify by its own `speculative_num_draft_tokens` (the server's γ + 1,
+            # read at start); a γ = auto round can be narrower. The width is read only here
+            # (its forward reads the metadata built now), so it is set for this call and put
+            # back. A verify with no spec input (SGLang's warm-up and autotune dummy runs) keeps
+            # the server's width.
+            server_width = self.dense.speculative_num_draft_tokens
             self.dense.speculative_num_draft_tokens = spec_info.draft_token_num
+            try:
+                self.dense.init_forward_metadata(forward_batch)
+            finally:
+                self.dense.speculative_num_draft_tokens = server_width
+            return
         self.dense.init_forward_metadata(forward_batch)
 
     def forward(

@@ -41,15 +41,44 @@ class MagicDecAlgo(CustomSpecAlgo):
         server_args.speculative_num_draft_tokens = gamma + 1
         # Each round's drafts depend on the last round's accepted tokens.
         server_args.disable_overlap_schedule = True
-        if not server_args.disable_cuda_graph and server_args.device in (None, "cuda"):
-            # SGLang captures TARGET_VERIFY graphs with no spec input for plugin algorithms and
-            # would replay them for a plain (γ = 0) step; until capture with a MagicDec input is
-            # done and run on a GPU, every forward runs eagerly rather than risk a wrong result.
-            logger.warning(
-                "%s turns CUDA graphs off: verify-graph capture for it is not implemented yet",
-                ALGORITHM,
-            )
-            server_args.disable_cuda_graph = True
+        _disable_graphs(server_args)
+
+
+def _disable_graphs(server_args) -> None:
+    """Every forward of MAGICDEC runs eagerly, on every device.
+
+    SGLang's decode graph runner would capture TARGET_VERIFY at width γ + 1 with no spec input
+    (none exists for a plugin algorithm) and replay it for a plain γ = 0 step, which carries
+    none either; a replayed graph also runs no Python, so the SnapKV observer's hooks would not
+    see a prefill. Capture reads `cuda_graph_config`, which SGLang derived from
+    `--disable-cuda-graph` earlier in resolution (`handle_cuda_graph_config`), so both of its
+    phases are declared off here, as SGLang's `model_hook` does; the legacy boolean follows.
+    `server_args` is SGLang's recorder for plugin writes: these assignments are declarations.
+    """
+    from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, with_phase
+
+    config = server_args.cuda_graph_config
+    if config is None:
+        return
+    capturing = [
+        phase
+        for phase in (Phase.DECODE, Phase.PREFILL)
+        if getattr(config, phase).backend != Backend.DISABLED
+    ]
+    if not capturing:
+        return
+    # On a CPU nothing would capture: say it only where graphs were really on the way.
+    log = logger.warning if server_args.device in (None, "cuda") else logger.debug
+    log(
+        "%s turns CUDA graphs off (%s): graph capture with a MagicDec verify input is not "
+        "implemented; every forward runs eagerly",
+        ALGORITHM,
+        ", ".join(capturing),
+    )
+    for phase in capturing:
+        config = with_phase(config, phase, backend=Backend.DISABLED)
+    server_args.cuda_graph_config = config
+    server_args.disable_cuda_graph = True
 
 
 def validate_server_args(server_args) -> None:
