@@ -57,14 +57,13 @@ class FlashInferFlatDecode:
         workspace = torch.zeros(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         # Tensor cores serve any group size (the flat rows have `group` query heads, 1 KV head).
         self.wrapper = BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
-        self.planned_for: int | None = None
+        self.planned = False
 
     def new_step(self) -> None:
-        self.planned_for = None
+        self.planned = False
 
     def run(
         self,
-        plan_key: int,
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
@@ -75,7 +74,7 @@ class FlashInferFlatDecode:
     ) -> torch.Tensor:
         num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
         queries = flat_queries(q, num_kv_heads)
-        if self.planned_for != plan_key:
+        if not self.planned:
             kv_indptr, kv_indices = flatten_head_slots(head_slots, kv_lens)
             self.wrapper.plan(
                 kv_indptr,
@@ -89,7 +88,7 @@ class FlashInferFlatDecode:
                 kv_data_type=k_cache.dtype,
                 sm_scale=scale,
             )
-            self.planned_for = plan_key
+            self.planned = True
         paged = (flat_rows(k_cache).unsqueeze(1), flat_rows(v_cache).unsqueeze(1))
         result = self.wrapper.run(queries, paged)
         out.copy_(result.view_as(out))

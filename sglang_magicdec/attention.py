@@ -19,6 +19,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from magicdec_kernels.index_attention import AttentionPlan, index_attention_torch, plan_requests
 from magicdec_kernels.sparse_decode import sparse_decode_attention
+from sglang_magicdec.model import unsupported_attention
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -125,11 +126,10 @@ class IndexAttnBackend(AttentionBackend):
         forward_batch: ForwardBatch,
         save_kv_cache: bool = True,
     ) -> torch.Tensor:
-        if layer.is_cross_attention or (layer.sliding_window_size or -1) > -1 or layer.logit_cap:
+        unsupported = unsupported_attention(layer)
+        if unsupported is not None:
             raise NotImplementedError(
-                "magicdec_cpu supports plain causal self-attention only"
-                " (no cross-attention, sliding window or logit cap);"
-                " choose another --attention-backend"
+                f"magicdec_cpu computes plain causal self-attention, not {unsupported}"
             )
         if save_kv_cache and k is not None and v is not None:
             self.token_to_kv_pool.set_kv_buffer(

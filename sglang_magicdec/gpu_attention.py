@@ -6,8 +6,8 @@ SGLang would and wrap it in `MagicDecAttnBackend` (a backend that owns another, 
 with the wrapped ("dense") backend. Only a draft step (DECODE whose spec input carries per-head
 slot lists, `MagicDecInput.head_slots`) takes the sparse path: each (request, KV head) reads its
 own slots of SGLang's KV pool in place, through FlashInfer's batch decode when the dense backend
-is flashinfer (`magicdec_kernels.flat_decode`), our Triton kernel otherwise
-(`magicdec_kernels.sparse_decode_triton`).
+is flashinfer and the draft reads one list in every layer (streaming; `magicdec_kernels.
+flat_decode`), our Triton kernel otherwise (`magicdec_kernels.sparse_decode_triton`).
 
 SGLang's dense backends cannot serve the draft themselves: fa3 ignores a spec input's slot list
 in DECODE, and none reads a list per KV head.
@@ -24,6 +24,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sglang_magicdec.config import ALGORITHM
+from sglang_magicdec.model import unsupported_attention
 from sglang_magicdec.platforms import ATTENTION_BACKEND as CPU_ATTENTION_BACKEND
 from sglang_magicdec.spec_info import MagicDecInput
 
@@ -135,15 +136,22 @@ class MagicDecAttnBackend(AttentionBackend):
         **kwargs,
     ) -> torch.Tensor:
         if self.draft is not None and forward_batch.forward_mode.is_decode():
-            return self._draft_decode(q, k, v, layer, forward_batch, save_kv_cache)
+            return self._draft_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         return self.dense.forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         if self.draft is not None:
-            return self._draft_decode(q, k, v, layer, forward_batch, save_kv_cache)
+            return self._draft_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         return self.dense.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
-    def _draft_decode(self, q, k, v, layer: RadixAttention, forward_batch, save_kv_cache):
+    def _draft_decode(
+        self, q, k, v, layer: RadixAttention, forward_batch, save_kv_cache, sinks=None, **kwargs
+    ):
+        # Refused at launch from the model's config (`check_attention_features`); this is the
+        # same rule where SGLang's layer says it, never a silently different draft.
+        unsupported = unsupported_attention(layer, sinks)
+        if unsupported is not None:
+            raise NotImplementedError(f"{ALGORITHM} drafts cannot compute {unsupported}")
         if save_kv_cache and k is not None:
             self._pool.set_kv_buffer(layer, KVWriteLoc.for_layer(forward_batch, layer), k, v)
         draft = self.draft
@@ -154,11 +162,11 @@ class MagicDecAttnBackend(AttentionBackend):
         head_slots = head_slots.expand(-1, layer.tp_k_head_num, -1)
         k_cache = self._pool.get_key_buffer(layer.layer_id)
         v_cache = self._pool.get_value_buffer(layer.layer_id)
-        if self._flashinfer is not None:
-            plan_key = layer.layer_id if per_layer else 0
-            self._flashinfer.run(
-                plan_key, q, k_cache, v_cache, head_slots, draft.kv_lens, layer.scaling, out
-            )
+        if self._flashinfer is not None and not per_layer:
+            # One list for every layer: FlashInfer plans it once per draft step (its plan reads
+            # the row lengths on the host: one synchronisation per step). Per-layer SnapKV lists
+            # would need a plan, and a synchronisation, per layer: those take the Triton kernel.
+            self._flashinfer.run(q, k_cache, v_cache, head_slots, draft.kv_lens, layer.scaling, out)
         else:
             from magicdec_kernels.sparse_decode_triton import sparse_decode_triton
 

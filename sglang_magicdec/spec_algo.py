@@ -111,6 +111,9 @@ def validate_server_args(server_args) -> None:
         raise ValueError(f"{ALGORITHM} does not run with attention DP; use --dp or --tp")
     if server_args.pp_size > 1:
         raise ValueError(f"{ALGORITHM} does not run with pipeline parallelism (--pp-size > 1)")
+    from sglang_magicdec.model import check_attention_features
+
+    check_attention_features(server_args.model_path, ALGORITHM, server_args.trust_remote_code)
     from sglang.srt.arg_groups.model_override_base import attention_backends_of
 
     from sglang_magicdec.gpu_attention import check_attention_backends

@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+from benchmark.gpu_check.attention import FLASHINFER_PER_LAYER
 from test.helpers import REPO
 
 TINY_SHAPES = ("llama8b-tiny", "smollm2-tiny")
@@ -81,7 +82,7 @@ def test_steps_are_timed_with_sglangs_kernels_and_each_draft_kernel(tiny_run):
         drafts = point["draft"]
         assert drafts["magicdec sparse_decode_triton"]["ms"] > 0
         assert drafts["SGLang decode_attention_fwd, flat rows"]["ms"] > 0
-        assert drafts["FlashInfer batch decode, flat rows"]["skipped"]
+        assert drafts[FLASHINFER_PER_LAYER]["skipped"]
 
 
 def test_predictions_follow_the_cost_model_from_the_recorded_times(tiny_run):

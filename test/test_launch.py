@@ -75,3 +75,23 @@ def test_bad_flag_is_one_line_error(args, reason):
     (error,) = [line for line in result.stderr.strip().splitlines() if not line.startswith("[")]
     assert error.startswith("python -m sglang_magicdec.launch_server: error:")
     assert reason in error
+
+
+def test_model_with_sliding_window_attention_is_one_line_error(tmp_path):
+    """The embedded model's files, declared a Mistral with a 4K window: the drafts compute plain
+    causal attention, so MAGICDEC refuses it at launch (the backends refuse such a layer too)."""
+    import json
+    import shutil
+
+    from sglang_magicdec.model import embedded_model_path
+
+    source = embedded_model_path()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{source}/{name}", tmp_path / name)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=4096)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    result = _launch("--model-path", str(tmp_path), "--speculative-algorithm", "MAGICDEC")
+    assert result.returncode == 2, result.stderr
+    (error,) = [line for line in result.stderr.strip().splitlines() if not line.startswith("[")]
+    assert error.endswith("uses sliding-window attention"), error

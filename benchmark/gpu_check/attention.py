@@ -30,6 +30,7 @@ Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # SGLang's default --triton-attention-num-kv-splits.
 SGLANG_MAX_KV_SPLITS = 8
 MAX_NEW_TOKENS = 8  # verify writes γ + 1 ≤ 7 tokens after the context
+FLASHINFER_PER_LAYER = "FlashInfer batch decode, flat rows, planned per layer"
 
 
 def sglang_kernels() -> tuple[object | None, str]:
@@ -218,23 +219,22 @@ def draft_kernels(head_slots: torch.Tensor, device) -> dict[str, Attend | str]:
         kernels["SGLang decode_attention_fwd, flat rows"] = sglang_flat
     usable, reason = flashinfer_available()
     if not usable or device.type != "cuda":
-        kernels["FlashInfer batch decode, flat rows"] = reason if not usable else "needs CUDA"
+        kernels[FLASHINFER_PER_LAYER] = reason if not usable else "needs CUDA"
     else:
         from magicdec_kernels.flat_decode import FlashInferFlatDecode
 
         flashinfer = FlashInferFlatDecode(device)
 
         def flashinfer_flat(layer, q, k_buffer, v_buffer):
-            # As the wrapper runs it: planned once per layer's list, every step.
-            if layer == 0:
-                flashinfer.new_step()
+            # Planned for every layer's own list: what FlashInfer would cost SnapKV, whose
+            # lists differ per layer (the wrapper gives those to the Triton kernel and plans
+            # FlashInfer once per step for a list all layers share).
+            flashinfer.new_step()
             out = q.new_empty(q.shape[0], q.shape[1], v_buffer.shape[2])
             slots = head_slots[layer % head_slots.shape[0]]
-            return flashinfer.run(
-                layer, q, k_buffer, v_buffer, slots, kv_lens, q.shape[-1] ** -0.5, out
-            )
+            return flashinfer.run(q, k_buffer, v_buffer, slots, kv_lens, q.shape[-1] ** -0.5, out)
 
-        kernels["FlashInfer batch decode, flat rows"] = flashinfer_flat
+        kernels[FLASHINFER_PER_LAYER] = flashinfer_flat
     return kernels
 
 
