@@ -45,7 +45,7 @@ def test_missing_package_says_what_to_install(monkeypatch, tmp_path):
         ("GptOssConfig", {}, "attention sinks"),
     ],
 )
-def test_attention_the_drafts_cannot_compute_is_refused_in_one_line(tmp_path, name, kwargs, feature):
+def test_attention_the_drafts_cannot_compute_is_refused(tmp_path, name, kwargs, feature):
     import transformers
 
     getattr(transformers, name)(**kwargs).save_pretrained(tmp_path)
