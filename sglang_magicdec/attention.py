@@ -4,8 +4,7 @@ Registered in SGLang's attention registry by the plugin and chosen by default on
 Extend, decode and target-verify reduce to `index_attention_torch` over each request's slot list,
 planned once per forward (shared by every layer). The MagicDec draft's decode steps hand in
 their own slots through `spec_info.head_slots / kv_lens` (per layer and KV head, padded:
-`sparse_decode_attention`) or, for a selection shared by every head, `kv_indptr / kv_indices`,
-exactly as SGLang's triton and flashinfer backends accept them.
+`sparse_decode_attention`).
 """
 
 from __future__ import annotations
@@ -66,10 +65,6 @@ def build_slot_lists(
         pieces.append(req_to_token[pool_idx, :prefix_len])
         pieces.append(out_cache_loc[q_bounds[r] : q_bounds[r + 1]])
     kv_indices = torch.cat(pieces).to(torch.int64) if pieces else out_cache_loc.new_empty(0)
-    return planned(q_indptr, kv_indptr, kv_indices)
-
-
-def planned(q_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> SlotLists:
     return SlotLists(
         q_indptr, kv_indptr, kv_indices, plan_requests(q_indptr, kv_indptr, kv_indices)
     )
@@ -89,15 +84,8 @@ class IndexAttnBackend(AttentionBackend):
         mode = forward_batch.forward_mode
         spec_info = forward_batch.spec_info
         batch = forward_batch.batch_size
-        q_indptr = torch.arange(batch + 1, dtype=torch.int64)
         if mode.is_decode() and getattr(spec_info, "head_slots", None) is not None:
             self.forward_metadata = DraftSlots(spec_info.head_slots, spec_info.kv_lens)
-            return
-        if mode.is_decode() and getattr(spec_info, "kv_indices", None) is not None:
-            # A caller-chosen subset of slots per request (the MagicDec draft).
-            self.forward_metadata = planned(
-                q_indptr, spec_info.kv_indptr.cpu().to(torch.int64), spec_info.kv_indices
-            )
             return
         seq_lens = forward_batch.seq_lens_cpu.tolist()
         if mode.is_decode():

@@ -131,9 +131,10 @@ def embedded_model_path() -> str:
 TINY_LAYERS, TINY_Q_HEADS, TINY_KV_HEADS = 2, (0, 1, 3, 4), (0, 1)
 
 
-def write_tiny_llama(folder: Path) -> Path:
-    """Write the tiny model into `folder` (config, safetensors, the embedded tokenizer). The query
-    heads kept belong to the KV heads kept (SmolLM2 groups 3 query heads per KV head)."""
+def write_tiny_llama(folder: Path, layers: int = TINY_LAYERS) -> Path:
+    """Write the tiny model into `folder` (config, safetensors, the embedded tokenizer): the
+    first `layers` layers. The query heads kept belong to the KV heads kept (SmolLM2 groups 3
+    query heads per KV head)."""
     import shutil
 
     import torch
@@ -151,7 +152,7 @@ def write_tiny_llama(folder: Path) -> Path:
     tensors = {}
     with safe_open(str(source / "model.safetensors"), "pt") as weights:
         for name in weights.keys():
-            if ".layers." in name and int(name.split(".layers.")[1].split(".")[0]) >= TINY_LAYERS:
+            if ".layers." in name and int(name.split(".layers.")[1].split(".")[0]) >= layers:
                 continue
             tensor = weights.get_tensor(name)
             if name.endswith("q_proj.weight"):
@@ -165,7 +166,7 @@ def write_tiny_llama(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     config.update(
-        num_hidden_layers=TINY_LAYERS,
+        num_hidden_layers=layers,
         num_attention_heads=len(TINY_Q_HEADS),
         num_key_value_heads=len(TINY_KV_HEADS),
     )

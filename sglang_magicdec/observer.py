@@ -6,6 +6,8 @@ backend) copies those rows of `q` (RoPE applied, exactly what attention sees) fo
 being summarised. With chunked prefill the window may straddle chunks: rows accumulate per request
 until all `obs_window` are in, and scoring runs after that forward, when the pool holds the KV of
 the whole prompt in every layer, so chunked and one-shot prefill select the same positions.
+A row counts as captured in a layer only once that layer's hook has copied it: whatever skips
+the module's Python (a replayed graph) leaves the window incomplete, never half-read.
 """
 
 from __future__ import annotations
@@ -23,15 +25,17 @@ class PendingWindow:
     prompt_len: int
     obs_window: int
     queries: dict[int, torch.Tensor] = field(default_factory=dict)  # layer id -> [W, Hq, D]
-    captured: set[int] = field(default_factory=set)  # window rows seen (by every layer)
+    captured: dict[int, set[int]] = field(default_factory=dict)  # layer id -> window rows seen
 
     @property
     def window_start(self) -> int:
         return self.prompt_len - self.obs_window
 
-    @property
-    def complete(self) -> bool:
-        return len(self.captured) == self.obs_window
+    def missing_layers(self, layer_ids: list[int]) -> list[int]:
+        """The layers whose hook has not seen every window row (a hook that never ran: a
+        replayed graph, attention called without the module)."""
+        window = set(range(self.obs_window))
+        return [layer_id for layer_id in layer_ids if self.captured.get(layer_id) != window]
 
 
 class WindowObserver:
@@ -59,7 +63,6 @@ class WindowObserver:
                     batch_rows = slice(row + first - prefix_len, row + last - prefix_len)
                     window_rows = slice(first - pending.window_start, last - pending.window_start)
                     self._targets.append((pending, batch_rows, window_rows))
-                    pending.captured.update(range(window_rows.start, window_rows.stop))
             row += extend_len
 
     def disarm(self) -> None:
@@ -76,3 +79,5 @@ class WindowObserver:
                 queries = q.new_zeros(pending.obs_window, *q.shape[1:])
                 pending.queries[layer.layer_id] = queries
             queries[window_rows] = q[batch_rows]
+            rows = pending.captured.setdefault(layer.layer_id, set())
+            rows.update(range(window_rows.start, window_rows.stop))

@@ -47,12 +47,44 @@ def filtered_probs(
     return filtered / filtered.sum(dim=-1, keepdim=True)
 
 
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (Wellons' "lowbias32") of int64 tensors holding values in
+    [0, 2^32), on any device. Products are split in 16-bit halves so no int64 overflows."""
+
+    def times(x: torch.Tensor, constant: int) -> torch.Tensor:
+        low = x * (constant & 0xFFFF)
+        high = ((x * (constant >> 16)) & 0xFFFF) << 16
+        return (low + high) & _MASK32
+
+    x = x ^ (x >> 16)
+    x = times(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = times(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def counter_uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[N, vocab] uniforms in (0, 1), a pure function of (seed, position, token id): a
+    counter-based generator (a hash of the counter, as Philox is), computed where the tensors
+    live, with nothing drawn on the host. seeds, positions: [N] int64 (seeds < 2^63)."""
+    key = _mix32((seeds & _MASK32) ^ 0x9E3779B9)
+    key = _mix32(key ^ ((seeds >> 32) & _MASK32))
+    key = _mix32(key ^ (positions & _MASK32))
+    token_ids = torch.arange(vocab, dtype=torch.int64, device=seeds.device)
+    bits = _mix32(key[:, None] ^ _mix32(token_ids ^ 0x85EBCA6B)[None, :])
+    # 24 bits, as torch.rand's float32; the half step keeps 0 out (log of 0).
+    return ((bits >> 8).to(torch.float32) + 0.5) / 2**24
+
+
 def seeded_sample(
     probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor
 ) -> torch.Tensor:
     """One token per row of [N, V] probabilities that depends on nothing but the row's seed, its
     position and the distribution: an exponential race, argmax_v p_v / E_v, the E_v ~ Exp(1)
-    drawn from a generator seeded by (seed, position) (the Gumbel-max trick in another form).
+    taken from `counter_uniforms(seed, position)` (the Gumbel-max trick in another form).
     Over random seeds it is a sample of `probs`.
 
     A request with `sampling_seed` takes every token this way: the draft proposes
@@ -61,11 +93,7 @@ def seeded_sample(
     take `seeded_sample(p)` too. The token at a position is thus the same whether a draft, a verify
     pass or a plain step produced it, however γ split the request into rounds and whatever ran
     beside it in the batch."""
-    races = []
-    for seed, position in zip(seeds.tolist(), positions.tolist(), strict=True):
-        generator = torch.Generator().manual_seed((seed * 1_000_003 + position) % 2**63)
-        races.append(torch.rand(probs.shape[-1], generator=generator))
-    exponentials = -torch.log(torch.stack(races)).to(probs.device)
+    exponentials = -torch.log(counter_uniforms(seeds, positions, probs.shape[-1]))
     return (probs.float() / exponentials).argmax(dim=-1)
 
 

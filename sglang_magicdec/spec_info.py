@@ -12,10 +12,23 @@ from sglang.srt.speculative.spec_info import SpecInput, SpecInputType
 class MagicDecInput(SpecInput):
     """What a MagicDec forward hands SGLang: token positions and, for draft steps, each
     request's draft slots for this round, `head_slots` [layers or 1, B, Hkv or 1, W] (padded;
-    dims of size 1 broadcast) of which request b reads the first `kv_lens[b]`. A selection
-    shared by all heads also comes as `kv_indptr/kv_indices`, the path SGLang's own decode
-    backends read. Nothing is carried between rounds, so filtering and merging batches is a
-    no-op."""
+    dims of size 1 broadcast) of which request b reads the first `kv_lens[b]` (our backends
+    read them; SGLang's own never see a draft step). Nothing is carried between rounds, so
+    filtering and merging batches is a no-op.
+
+    The verify contract: what SGLang 0.5.23's dense backends read of a TARGET_VERIFY forward
+    (`init_forward_metadata`, eager; MAGICDEC runs no graphs), and what serves each read.
+    - triton: `num_tokens_per_req` (the chain's width, `draft_token_num`) sizes `qo_indptr`,
+      `custom_mask` (SpecInput's class default None: causal within the chain), and the batch's
+      `seq_lens`, `seq_lens_sum`, `req_pool_indices`, `kv_loc_plan` (set by the worker).
+    - flashinfer: `ragged_verify_layout` (class default None: uniform width),
+      `spec_input_type` (NGRAM_VERIFY: neither DFLASH's nor EAGLE's paths), then
+      `generate_attn_arg_prefill` below for (kv_indices, kv_indptr, qo_indptr, mask), and
+      `num_tokens_per_req`; plus the batch's `seq_lens`, `seq_lens_cpu`, `seq_lens_sum`.
+    - fa3 (topk 1): `ragged_verify_layout` (None), then its own `speculative_num_draft_tokens`
+      for the width, which `MagicDecAttnBackend` sets to `draft_token_num` for that call only;
+      the batch's `seq_lens`, `seq_lens_cpu` (the eager page-table bound), `req_pool_indices`.
+    Positions come from `positions` ([B·width], S..S+γ per request) on every backend."""
 
     def __init__(
         self,
@@ -23,8 +36,6 @@ class MagicDecInput(SpecInput):
         positions: torch.Tensor | None = None,
         head_slots: torch.Tensor | None = None,
         kv_lens: torch.Tensor | None = None,
-        kv_indptr: torch.Tensor | None = None,
-        kv_indices: torch.Tensor | None = None,
     ):
         is_draft = head_slots is not None
         super().__init__(SpecInputType.EAGLE_DRAFT if is_draft else SpecInputType.NGRAM_VERIFY)
@@ -34,8 +45,6 @@ class MagicDecInput(SpecInput):
         self.positions = positions
         self.head_slots = head_slots
         self.kv_lens = kv_lens
-        self.kv_indptr = kv_indptr
-        self.kv_indices = kv_indices
 
     def generate_attn_arg_prefill(
         self,
@@ -79,6 +88,48 @@ class MagicDecInput(SpecInput):
         pass
 
 
+def to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the device: on CUDA, staged in pinned
+    memory and copied asynchronously (a copy from pageable memory waits for the stream)."""
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def host_copy(device_tensor: torch.Tensor) -> torch.Tensor:
+    """A host copy that does not wait for the device: on CUDA, an asynchronous copy into
+    pinned memory, complete once the stream has run past this point (the scheduler waits for
+    each round's tokens, so by its next host-side event, e.g. an eviction, it has)."""
+    host = torch.empty(
+        device_tensor.shape,
+        dtype=device_tensor.dtype,
+        pin_memory=device_tensor.device.type == "cuda",
+    )
+    return host.copy_(device_tensor, non_blocking=True)
+
+
+@dataclass
+class DraftPositions:
+    """The committed positions one request's draft reads in a round, read through its own
+    `req_to_token` row: the summary's first (per layer and KV head), then the ranges (every
+    layer and head).
+
+    summary  [layers, Hkv, kept] int64 positions on the device, or None
+    ranges   position ranges, host side (the streaming window, a summary's recent tokens)
+    """
+
+    summary: torch.Tensor | None
+    ranges: list[range]
+
+    @property
+    def range_count(self) -> int:
+        return sum(len(positions) for positions in self.ranges)
+
+    @property
+    def count(self) -> int:
+        return (0 if self.summary is None else self.summary.shape[-1]) + self.range_count
+
+
 @dataclass
 class DraftRound:
     """One round's draft slots, built once and read by all γ draft steps: request b's
@@ -91,22 +142,49 @@ class DraftRound:
     head_slots: torch.Tensor
     selected: torch.Tensor
 
+    @classmethod
+    def build(
+        cls,
+        positions: list[DraftPositions],
+        req_to_token: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        round_slots: torch.Tensor,
+    ) -> DraftRound:
+        """Resolve every request's positions into pool slots on the device, with one host
+        copy of the ranges for the whole batch and no wait on the device: the sizes all come
+        from the host (ranges, summary shapes)."""
+        device = round_slots.device
+        gamma = round_slots.shape[1] - 1
+        summaries = [p.summary for p in positions if p.summary is not None]
+        layers = max((summary.shape[0] for summary in summaries), default=1)
+        heads = max((summary.shape[1] for summary in summaries), default=1)
+        range_counts = [p.range_count for p in positions]
+        host = torch.zeros(len(positions), max(range_counts, default=0) + 1, dtype=torch.int64)
+        for b, p in enumerate(positions):
+            if p.ranges:
+                host[b, : range_counts[b]] = torch.cat(
+                    [torch.arange(r.start, r.stop) for r in p.ranges]
+                )
+        counts = [p.count for p in positions]
+        range_slots = req_to_token[req_pool_indices[:, None], to_device(host, device)]
+        head_slots = torch.zeros(
+            layers, len(positions), heads, max(counts) + gamma, dtype=torch.int64, device=device
+        )
+        for b, p in enumerate(positions):
+            start = 0
+            if p.summary is not None:
+                start = p.summary.shape[-1]
+                head_slots[:, b, :, :start] = req_to_token[req_pool_indices[b], p.summary]
+            stop = start + range_counts[b]
+            head_slots[:, b, :, start:stop] = range_slots[b, : range_counts[b]]
+            head_slots[:, b, :, stop : stop + gamma] = round_slots[b, :gamma]
+        selected = to_device(torch.tensor(counts, dtype=torch.int64), device)
+        return cls(head_slots, selected)
+
     def step_input(self, step: int, positions: torch.Tensor) -> MagicDecInput:
-        kv_lens = self.selected + step + 1
-        kv_indptr = kv_indices = None
-        if self.head_slots.shape[0] == 1 and self.head_slots.shape[2] == 1:
-            # One list for every layer and head: also SGLang's ragged kv_indptr/kv_indices
-            # (int32 offsets, int64 slots: the dtypes its triton/flashinfer decode backends use).
-            slots = self.head_slots[0, :, 0]
-            width = torch.arange(slots.shape[1], device=slots.device)
-            kv_indices = slots[width[None, :] < kv_lens[:, None]]
-            kv_indptr = torch.zeros(kv_lens.numel() + 1, dtype=torch.int32, device=slots.device)
-            kv_indptr[1:] = kv_lens.cumsum(0)
         return MagicDecInput(
             draft_token_num=1,
             positions=positions,
             head_slots=self.head_slots,
-            kv_lens=kv_lens,
-            kv_indptr=kv_indptr,
-            kv_indices=kv_indices,
+            kv_lens=self.selected + step + 1,
         )

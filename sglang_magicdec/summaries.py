@@ -109,11 +109,13 @@ class Summary:
 @dataclass
 class Holding:
     """What one request drafts with: a summary, the prefix it shares with it, and the
-    positions within that prefix (the summary's own when it shares all of it)."""
+    positions within that prefix (the summary's own when it shares all of it), also on the
+    request's device once it drafts (`device_positions`, copied once, read every round)."""
 
     summary: Summary
     shared_len: int
     positions: torch.Tensor
+    device_positions: torch.Tensor | None = None
 
 
 class SummaryStore:

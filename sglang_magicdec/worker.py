@@ -46,34 +46,59 @@ from sglang_magicdec.sampling import (
     sampling_probs,
     seeded_sample,
 )
-from sglang_magicdec.spec_info import DraftRound, MagicDecInput
+from sglang_magicdec.spec_info import DraftPositions, DraftRound, MagicDecInput, to_device
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class AcceptanceStats:
-    """Server-lifetime counters of verified rounds, per request."""
+    """Server-lifetime counters of verified rounds, per request. Token counts accumulate on
+    the device (a round never waits to count) and are read when the server info is asked for."""
 
     request_rounds: int = 0  # (request, verify pass) pairs
-    accepted_tokens: int = 0  # tokens those passes committed, the target's bonus token included
-    correct_drafts: int = 0
     drafted: int = 0
+    accepted_tokens: torch.Tensor | int = 0  # committed by those passes, bonus tokens included
 
     def record(self, accept_lens: torch.Tensor, gamma: int) -> None:
         self.request_rounds += accept_lens.numel()
-        accepted = int(accept_lens.sum())
-        self.accepted_tokens += accepted
-        self.correct_drafts += accepted - accept_lens.numel()
         self.drafted += gamma * accept_lens.numel()
+        self.accepted_tokens = self.accepted_tokens + accept_lens.sum(dtype=torch.int64)
 
     def summary(self) -> dict:
         rounds = max(self.request_rounds, 1)
+        accepted = int(self.accepted_tokens)
         return {
             "verify_rounds": self.request_rounds,
-            "avg_accept_length": self.accepted_tokens / rounds,
-            "draft_acceptance_rate": self.correct_drafts / max(self.drafted, 1),
+            "avg_accept_length": accepted / rounds,
+            "draft_acceptance_rate": (accepted - self.request_rounds) / max(self.drafted, 1),
         }
+
+
+@dataclass
+class Committed:
+    """The batch's committed lengths S at a round's start: on the device for the forwards, and
+    the scheduler's host copy for everything decided on the host (never copied back)."""
+
+    device: torch.Tensor  # [B] int64
+    host: torch.Tensor  # [B] int64
+    lengths: list[int]
+    total: int
+
+    @classmethod
+    def of(cls, batch: ScheduleBatch) -> Committed:
+        # The scheduler keeps a host copy for every batch the worker sees; else copy once.
+        host = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else batch.seq_lens.cpu()
+        lengths = host.tolist()
+        return cls(batch.seq_lens.to(torch.int64), host.to(torch.int64), lengths, sum(lengths))
+
+
+@dataclass
+class SeededRows:
+    """The rows of a batch that sample with a `sampling_seed` (`seeded_sample`)."""
+
+    index: torch.Tensor  # [n] row indices, on the device
+    seeds: torch.Tensor  # [n] their seeds, on the device
 
 
 class MagicDecWorker(BaseSpecWorker):
@@ -177,8 +202,8 @@ class MagicDecWorker(BaseSpecWorker):
         # The round's bookkeeping (slots, draft selections, uniforms, acceptance) is part of its
         # cost: the cost model times whole rounds.
         started = self._clock()
-        committed = batch.seq_lens.to(torch.int64)
-        round_slots = self._round_slots(batch, committed, gamma + 1)
+        committed = Committed.of(batch)
+        round_slots = self._round_slots(batch, committed.device, gamma + 1)
         draft_round = self._draft_round(batch, committed, round_slots)
         tokens = self._last_tokens(batch)
         greedy = batch.sampling_info.is_all_greedy
@@ -186,8 +211,8 @@ class MagicDecWorker(BaseSpecWorker):
             params = self._sampling_params(batch)
             # [B, 2γ+1]: γ draft draws, γ acceptance tests, the last draw.
             uniforms = torch.rand(len(batch.reqs), 2 * gamma + 1, generator=self.rng)
-            uniforms = uniforms.to(self.device)
-            seeds, seeded = self._seeds(batch)
+            uniforms = to_device(uniforms, self.device)
+            seeded = self._seeded_rows(batch)
             draft_probs = []
 
         for step in range(gamma):
@@ -198,8 +223,12 @@ class MagicDecWorker(BaseSpecWorker):
                 draft_probs.append(sampling_probs(logits, *params))
                 next_tokens = sample_from(draft_probs[-1], uniforms[:, step])
                 if seeded is not None:
-                    coupled = seeded_sample(draft_probs[-1], seeds, committed + step)
-                    next_tokens = torch.where(seeded, coupled, next_tokens)
+                    coupled = seeded_sample(
+                        draft_probs[-1].index_select(0, seeded.index),
+                        seeded.seeds,
+                        committed.device.index_select(0, seeded.index) + step,
+                    )
+                    next_tokens = next_tokens.index_copy(0, seeded.index, coupled)
             tokens = torch.cat([tokens, next_tokens[:, None]], dim=1)
 
         drafted = self._clock()
@@ -222,12 +251,19 @@ class MagicDecWorker(BaseSpecWorker):
                 uniforms[:, 2 * gamma],
             )
             if seeded is not None:
-                positions = committed[:, None] + torch.arange(width, device=committed.device)
+                rows = seeded.index
+                positions = committed.device.index_select(0, rows)[:, None] + torch.arange(
+                    width, device=self.device
+                )
                 coupled = seeded_sample(
-                    target_probs.flatten(0, 1), seeds.repeat_interleave(width), positions.flatten()
-                ).view(tokens.shape)
-                target = torch.where(seeded[:, None], coupled, target)
-                accept_lens = torch.where(seeded, greedy_accept(tokens, coupled), accept_lens)
+                    target_probs.index_select(0, rows).flatten(0, 1),
+                    seeded.seeds.repeat_interleave(width),
+                    positions.flatten(),
+                ).view(-1, width)
+                target = target.index_copy(0, rows, coupled)
+                accept_lens = accept_lens.index_copy(
+                    0, rows, greedy_accept(tokens.index_select(0, rows), coupled)
+                )
         if self.config.debug and self.tp_group.world_size > 1:
             self._check_ranks_agree(target, accept_lens)
         self.stats.record(accept_lens, gamma)
@@ -251,13 +287,13 @@ class MagicDecWorker(BaseSpecWorker):
         """One ordinary decode step (γ = 0) in the round's first reserved slot."""
         bucket = self._bucket(batch)
         started = self._clock()
-        committed = batch.seq_lens.to(torch.int64)
+        committed = Committed.of(batch)
         batch.input_ids = self._last_tokens(batch)[:, 0]
-        batch.out_cache_loc = self._round_slots(batch, committed, 1)[:, 0]
-        self._set_lens(batch, committed + 1)
+        batch.out_cache_loc = self._round_slots(batch, committed.device, 1)[:, 0]
+        self._set_lens(batch, committed, 1)
         batch.spec_info = None
         result = self.target_worker.forward_batch_generation(batch)
-        self._take_seeded_tokens(batch, result, committed)
+        self._take_seeded_tokens(batch, result, committed.device)
         if self.cost_model is not None:
             self.cost_model.record_decode(bucket, self._clock() - started)
         if batch.return_logprob:
@@ -265,7 +301,7 @@ class MagicDecWorker(BaseSpecWorker):
             # speculative batch's logprobs as one row per request.
             output = result.logits_output
             output.next_token_logprobs = output.next_token_logprobs.view(-1, 1)
-        new_seq_lens = committed.to(torch.int32) + 1
+        new_seq_lens = committed.device.to(torch.int32) + 1
         if on_publish is not None:
             on_publish(new_seq_lens)
         return self._result(
@@ -273,57 +309,46 @@ class MagicDecWorker(BaseSpecWorker):
         )
 
     def _draft_round(
-        self, batch: ScheduleBatch, committed: torch.Tensor, round_slots: torch.Tensor
+        self, batch: ScheduleBatch, committed: Committed, round_slots: torch.Tensor
     ) -> DraftRound:
-        """Each request's draft slots for this round, resolved once: the draft selection's
-        slots (its whole context below `--magicdec-min-context`), then the round's slots."""
+        """Each request's draft slots for this round, resolved once on the device: the draft
+        selection's positions (its whole context below `--magicdec-min-context`), then the
+        round's slots."""
         req_to_token = self.req_to_token_pool.req_to_token
-        gamma = round_slots.shape[1] - 1
-        selections = []
-        for req, row_index, length in zip(
-            batch.reqs, batch.req_pool_indices.tolist(), committed.tolist(), strict=True
-        ):
-            row = req_to_token[row_index]
+        positions = []
+        for req, length in zip(batch.reqs, committed.lengths, strict=True):
             if length < self.config.dense_below:
-                slots = row[:length].to(torch.int64)[None, None]
+                positions.append(DraftPositions(None, [range(length)]))
             else:
-                slots = self.draft.slots(req, row, length)
-            if self.config.debug:
-                self._check_selection(req, row, length, slots)
-            selections.append(slots)
-        layers = max(slots.shape[0] for slots in selections)
-        heads = max(slots.shape[1] for slots in selections)
-        selected = torch.tensor([slots.shape[-1] for slots in selections], dtype=torch.int64)
-        head_slots = torch.zeros(
-            layers, len(selections), heads, int(selected.max()) + gamma, dtype=torch.int64
-        )
-        for b, slots in enumerate(selections):
-            count = slots.shape[-1]
-            head_slots[:, b, :, :count] = slots
-            head_slots[:, b, :, count : count + gamma] = round_slots[b, :gamma]
-        return DraftRound(head_slots.to(self.device), selected.to(self.device))
+                row = req_to_token[req.kv.req_pool_idx]
+                positions.append(self.draft.positions(req, length, row))
+        draft_round = DraftRound.build(positions, req_to_token, batch.req_pool_indices, round_slots)
+        if self.config.debug:
+            for b, (req, length) in enumerate(zip(batch.reqs, committed.lengths, strict=True)):
+                slots = draft_round.head_slots[:, b, :, : positions[b].count]
+                self._check_selection(req, req_to_token[req.kv.req_pool_idx], length, slots)
+        return draft_round
 
     def _draft_step(self, batch, committed, step, tokens, draft_round, round_slots) -> torch.Tensor:
         """DECODE of token `step` at position S+step over the draft slots; returns logits."""
         batch.forward_mode = ForwardMode.DECODE
         batch.input_ids = tokens[:, step].contiguous()
         batch.out_cache_loc = round_slots[:, step].contiguous()
-        self._set_lens(batch, committed + step + 1)
-        batch.spec_info = draft_round.step_input(step, (committed + step).to(self.device))
+        self._set_lens(batch, committed, step + 1)
+        batch.spec_info = draft_round.step_input(step, committed.device + step)
         result = self.target_worker.forward_batch_generation(batch, is_verify=True)
         return result.logits_output.next_token_logits
 
     def _verify(self, batch, committed, tokens, round_slots) -> GenerationBatchResult:
         """TARGET_VERIFY over [x0, d1..dγ] at S..S+γ, full attention, exact KV into the slots."""
         width = tokens.shape[1]
-        offsets = torch.arange(width, dtype=torch.int64, device=committed.device)
+        offsets = torch.arange(width, dtype=torch.int64, device=self.device)
         batch.forward_mode = ForwardMode.TARGET_VERIFY
         batch.input_ids = tokens.reshape(-1).contiguous()
         batch.out_cache_loc = round_slots[:, :width].reshape(-1).contiguous()
-        self._set_lens(batch, committed)
+        self._set_lens(batch, committed, 0)
         batch.spec_info = MagicDecInput(
-            draft_token_num=width,
-            positions=(committed[:, None] + offsets).reshape(-1).to(self.device),
+            draft_token_num=width, positions=(committed.device[:, None] + offsets).reshape(-1)
         )
         return self.target_worker.forward_batch_generation(batch, is_verify=True)
 
@@ -403,8 +428,7 @@ class MagicDecWorker(BaseSpecWorker):
 
     @staticmethod
     def _mean_context(batch: ScheduleBatch) -> float:
-        seq_lens = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else batch.seq_lens.cpu()
-        return float(seq_lens.sum()) / max(len(batch.reqs), 1)
+        return Committed.of(batch).total / max(len(batch.reqs), 1)
 
     # -- radix cache events (plugin.subscribe_to_radix_cache) ---------------------------------
 
@@ -437,24 +461,27 @@ class MagicDecWorker(BaseSpecWorker):
         info = batch.sampling_info
         return info.temperatures.view(-1), info.top_ks, info.top_ps, info.min_ps
 
-    def _clock(self) -> float:
-        """Wall time after the device has finished what was queued (step costs)."""
+    def _clock(self) -> float | None:
+        """Wall time after the device has finished what was queued, for γ = auto's step costs
+        (its one synchronisation per timed point); None when nothing is timed."""
+        if self.cost_model is None:
+            return None
         if self._on_cuda:
             torch.cuda.synchronize()
         return time.perf_counter()
 
-    def _seeds(self, batch: ScheduleBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[B] seeds and [B] which rows sample with their `sampling_seed` (None: no row does).
+    def _seeded_rows(self, batch: ScheduleBatch) -> SeededRows | None:
+        """The rows that sample with their `sampling_seed`, or None (decided on the host).
         Greedy rows (top-k 1) need no seed."""
-        seeds = [req.sampling_params.sampling_seed for req in batch.reqs]
-        seeded = torch.tensor(
-            [seed is not None and req.sampling_params.top_k != 1
-             for seed, req in zip(seeds, batch.reqs, strict=True)]
-        )  # fmt: skip
-        if not bool(seeded.any()):
-            return torch.zeros(len(seeds), dtype=torch.int64), None
-        seeds = torch.tensor([seed or 0 for seed in seeds], dtype=torch.int64)
-        return seeds.to(self.device), seeded.to(self.device)
+        rows = [
+            (row, req.sampling_params.sampling_seed)
+            for row, req in enumerate(batch.reqs)
+            if req.sampling_params.sampling_seed is not None and req.sampling_params.top_k != 1
+        ]
+        if not rows:
+            return None
+        index, seeds = torch.tensor(rows, dtype=torch.int64).unbind(1)
+        return SeededRows(to_device(index, self.device), to_device(seeds, self.device))
 
     def _take_seeded_tokens(self, batch, result, positions: torch.Tensor) -> None:
         """Rows with a `sampling_seed` take `seeded_sample`'s token in steps SGLang's sampler ran
@@ -464,7 +491,7 @@ class MagicDecWorker(BaseSpecWorker):
         something rewrites per token (`_can_speculate`) or that return logprobs keep SGLang's."""
         if batch.sampling_info.is_all_greedy or batch.return_logprob:
             return
-        seeds, seeded = self._seeds(batch)
+        seeded = self._seeded_rows(batch)
         if seeded is None or not self._can_speculate(batch):
             return
         # SGLang's sampler has left softmax(logits / temperature) in place of the logits.
@@ -473,10 +500,15 @@ class MagicDecWorker(BaseSpecWorker):
             sums = probs.sum(dim=-1)
             assert torch.allclose(sums, torch.ones_like(sums), atol=1e-3), "logits, not probs"
         info = batch.sampling_info
-        probs = filtered_probs(probs[seeded], info.top_ks[seeded], info.top_ps[seeded],
-                               info.min_ps[seeded])  # fmt: skip
-        tokens = seeded_sample(probs, seeds[seeded], positions.to(self.device)[seeded])
-        result.next_token_ids[seeded] = tokens.to(result.next_token_ids.dtype)
+        rows = seeded.index
+        probs = filtered_probs(
+            probs.index_select(0, rows),
+            info.top_ks.index_select(0, rows),
+            info.top_ps.index_select(0, rows),
+            info.min_ps.index_select(0, rows),
+        )
+        tokens = seeded_sample(probs, seeded.seeds, positions.index_select(0, rows))
+        result.next_token_ids.index_copy_(0, rows, tokens.to(result.next_token_ids.dtype))
 
     def _check_selection(self, req, row: torch.Tensor, length: int, slots: torch.Tensor) -> None:
         """Debug mode: every selected slot belongs to the request's live committed KV, none is
@@ -497,7 +529,7 @@ class MagicDecWorker(BaseSpecWorker):
                 f"n={bad.numel()} retractions={getattr(req, 'retraction_count', None)} "
                 f"output={len(req.output_ids)}"
             )
-        self.draft.check(req, row, length, free, allocator.page_size)
+        self.draft.check(req, row, free, allocator.page_size)
 
     def _check_ranks_agree(self, target: torch.Tensor, accept_lens: torch.Tensor) -> None:
         """Debug mode under TP: every rank committed the same tokens this round (they sample from
@@ -530,15 +562,16 @@ class MagicDecWorker(BaseSpecWorker):
 
     def _last_tokens(self, batch: ScheduleBatch) -> torch.Tensor:
         """[batch, 1] the last sampled token of each request: the round's x0."""
-        return torch.tensor(
-            [[req.output_ids[-1]] for req in batch.reqs], dtype=torch.int64, device=self.device
-        )
+        tokens = torch.tensor([[req.output_ids[-1]] for req in batch.reqs], dtype=torch.int64)
+        return to_device(tokens, self.device)
 
     @staticmethod
-    def _set_lens(batch: ScheduleBatch, seq_lens: torch.Tensor) -> None:
-        batch.seq_lens = seq_lens.to(torch.int32)
-        batch.seq_lens_cpu = batch.seq_lens.cpu()
-        batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
+    def _set_lens(batch: ScheduleBatch, committed: Committed, offset: int) -> None:
+        """A forward attends to the committed lengths plus `offset`: set on the device and on
+        the host, each from its own copy."""
+        batch.seq_lens = (committed.device + offset).to(torch.int32)
+        batch.seq_lens_cpu = (committed.host + offset).to(torch.int32)
+        batch.seq_lens_sum = committed.total + offset * len(batch.reqs)
         batch.orig_seq_lens = batch.seq_lens
 
     def _result(self, forward, accepted, accept_lens, new_seq_lens) -> GenerationBatchResult:

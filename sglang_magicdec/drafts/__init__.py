@@ -2,10 +2,11 @@
 
 Each draft is a small policy dataclass with one selecting method (`StreamingDraft.select`,
 `SnapKVDraft.select_layer`) and a *selection* that applies it inside the server and answers the
-worker's one question, once per round and request: `slots(...)`, the pool slots the draft reads,
-as a [layers, Hkv, n] tensor (dims of size 1 broadcast: the streaming selection is the same for
-every layer and head). The selection also owns whatever state the policy keeps across requests
-(SnapKV's shared summaries) and hears about prefill forwards and released KV.
+worker's one question, once per round and request: `positions(...)`, the committed positions the
+draft reads (`DraftPositions`: SnapKV's per-layer, per-KV-head summary positions, already on the
+device, then ranges every layer and head reads), which the round resolves into pool slots through
+the request's own `req_to_token` row. The selection also owns whatever state the policy keeps
+across requests (SnapKV's shared summaries) and hears about prefill forwards and released KV.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from torch.nn.functional import avg_pool1d, max_pool1d
 from magicdec_kernels.snapkv_scores import snapkv_window_scores
 from sglang_magicdec.drafts.streaming import StreamingSelection
 from sglang_magicdec.observer import PendingWindow, WindowObserver
+from sglang_magicdec.spec_info import DraftPositions, host_copy, to_device
 from sglang_magicdec.summaries import Summary, SummaryStore
 
 logger = logging.getLogger(__name__)
@@ -80,14 +81,12 @@ class SnapKVDraft:
         window_positions = torch.arange(prefix_len, prompt_len).expand(num_kv_heads, window)
         return torch.cat([top.sort(dim=-1).values, window_positions], dim=-1), margin
 
-    def recent(self, summary_len: int, committed_len: int, prompt_len: int) -> torch.Tensor:
+    def recent(self, summary_len: int, committed_len: int, prompt_len: int) -> list[range]:
         """Positions read besides a summary of the first `summary_len` prompt tokens: the rest of
         the prompt (a reuser's own suffix), then the generated tokens, of which the last
         `budget` are kept (rolling) so a long generation does not grow the draft."""
         generated_start = max(prompt_len, committed_len - self.budget)
-        return torch.cat(
-            [torch.arange(summary_len, prompt_len), torch.arange(generated_start, committed_len)]
-        )
+        return [range(summary_len, prompt_len), range(generated_start, committed_len)]
 
 
 class SnapKVSelection:
@@ -96,8 +95,9 @@ class SnapKVSelection:
     Before a prefill forward (`before_extend`), each request starting its prompt either reuses
     a shared summary of a prefix of its prompt or has its observation window watched (the
     observer's attention hooks); after the forward (`after_extend`), prompts whose window is
-    complete are scored and hold their summary. Each round, `slots` resolves the request's
-    summary positions through its own `req_to_token` row, plus its recent tokens. Summaries are
+    complete are scored and hold their summary (a window some layer's hook missed drafts with the
+    streaming fallback, counted). Each round, `positions` gives the request's summary
+    positions (read through its own `req_to_token` row), plus its recent tokens. Summaries are
     released with the request's KV and dropped when the radix cache frees their prompt.
     A prompt that will compute its own summary keeps its window out of the radix match
     (`max_prefix_len`), so every prompt of at least `min_context` tokens drafts with a summary.
@@ -185,11 +185,32 @@ class SnapKVSelection:
         self.observer.disarm()
         if failed:
             return
-        for req, row in zip(batch.reqs, batch.req_pool_indices.tolist(), strict=True):
+        layer_ids = [layer.layer_id for layer in self.layers]
+        for req, row, prefix_len, extend_len in zip(
+            batch.reqs,
+            batch.req_pool_indices.tolist(),
+            batch.prefix_lens,
+            batch.extend_lens,
+            strict=True,
+        ):
             pending = self.observer.pending.get(req.rid)
-            if pending is None or not pending.complete:
+            if pending is None:
                 continue
+            missing = pending.missing_layers(layer_ids)
+            if missing and prefix_len + extend_len < pending.prompt_len:
+                continue  # later chunks bring the rest of the window
             del self.observer.pending[req.rid]
+            if missing:
+                logger.warning(
+                    "request %s: the observation window's queries were not captured in layers "
+                    "%s (their attention ran without the module's hooks); drafting with the "
+                    "streaming fallback",
+                    req.rid,
+                    missing[:8],
+                )
+                self.without_summary += 1
+                _report(req, "none", None)
+                continue
             reusable = self._reusable(req.origin_input_ids)
             if reusable is not None:
                 # A prompt prefilled alongside the one that just computed a summary of their
@@ -222,24 +243,26 @@ class SnapKVSelection:
 
     # -- decode: the draft's slots ------------------------------------------------------------
 
-    def slots(self, req, row: torch.Tensor, committed_len: int) -> torch.Tensor:
-        """[layers, Hkv, n] pool slots of `req`'s draft ([1, 1, n] without a summary)."""
+    def positions(self, req, committed_len: int, row: torch.Tensor) -> DraftPositions:
+        """The positions `req`'s draft reads this round: its summary's, on the device since its
+        first round, then its recent tokens ([1, 1, n] streaming ones without a summary).
+        `row` is its `req_to_token` row."""
         holding = self.store.held_by(req.rid)
         if holding is None:
-            return self.fallback.slots(req, row, committed_len)
+            return self.fallback.positions(req, committed_len)
         prompt_len = len(req.origin_input_ids)
+        if holding.device_positions is None:
+            holding.device_positions = to_device(holding.positions.long(), row.device)
+            summary = holding.summary
+            if holding.shared_len == summary.length == prompt_len:
+                # The prompt's own summary follows its KV: when SGLang caches a prompt another
+                # request already cached (after the prefill forward, before this first round),
+                # it moves the row onto the radix tree's copy and frees the duplicate.
+                summary.prompt_slots = host_copy(row[: summary.length - 1])
         recent = self.policy.recent(holding.shared_len, committed_len, prompt_len)
-        chosen = row[holding.positions.to(row.device).long()]
-        recent_slots = row[recent.to(row.device)].expand(*chosen.shape[:2], -1)
-        summary = holding.summary
-        if holding.shared_len == summary.length == prompt_len:
-            # The prompt's own summary follows its KV: SGLang moves a row onto the radix
-            # tree's copy when it caches a prompt another request already cached (and frees
-            # the duplicate).
-            summary.prompt_slots = row[: summary.length - 1].to("cpu", copy=True)
-        return torch.cat([chosen, recent_slots], dim=-1).to(torch.int64)
+        return DraftPositions(holding.device_positions, recent)
 
-    def check(self, req, row: torch.Tensor, committed_len: int, free_pages, page_size) -> None:
+    def check(self, req, row: torch.Tensor, free_pages, page_size) -> None:
         """Debug mode: a request whose own prompt the summary describes holds that KV."""
         holding = self.store.held_by(req.rid)
         if holding is None or free_pages is None or not free_pages.numel():

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang_magicdec.spec_info import DraftPositions
+
 
 @dataclass(frozen=True)
 class StreamingDraft:
@@ -21,27 +23,27 @@ class StreamingDraft:
     budget: int
     sinks: int
 
-    def select(self, committed_len: int, prompt_len: int) -> torch.Tensor:
-        """Positions (sorted, int64) among [0, committed_len) that the draft attends to."""
+    def select(self, committed_len: int, prompt_len: int) -> list[range]:
+        """The positions among [0, committed_len) that the draft attends to, as sorted ranges:
+        the sinks, then the recent window."""
         generated = max(0, committed_len - prompt_len)
         window = self.budget - self.sinks + min(generated, self.budget)
         sink_end = min(self.sinks, committed_len)
         recent_start = max(sink_end, committed_len - window)
-        return torch.cat([torch.arange(0, sink_end), torch.arange(recent_start, committed_len)]).to(
-            torch.int64
-        )
+        return [range(0, sink_end), range(recent_start, committed_len)]
 
 
 class StreamingSelection:
-    """The streaming draft inside the server: stateless, the same slots for every layer/head."""
+    """The streaming draft inside the server: stateless, the same positions for every layer
+    and head."""
 
     def __init__(self, policy: StreamingDraft):
         self.policy = policy
 
-    def slots(self, req, row: torch.Tensor, committed_len: int) -> torch.Tensor:
-        """[1, 1, n] pool slots of `req`'s draft, `row` its `req_to_token` row."""
-        positions = self.policy.select(committed_len, len(req.origin_input_ids))
-        return row[positions.to(row.device)].to(torch.int64)[None, None]
+    def positions(self, req, committed_len: int, row: torch.Tensor | None = None) -> DraftPositions:
+        """The positions `req`'s draft reads this round (host side: nothing waits on a device);
+        `row` (its `req_to_token` row) is not needed."""
+        return DraftPositions(None, self.policy.select(committed_len, len(req.origin_input_ids)))
 
     # Nothing kept across requests, nothing needed from the prefill.
     def max_prefix_len(self, req, limit: int) -> int:
@@ -62,7 +64,7 @@ class StreamingSelection:
     def cache_reset(self) -> None:
         pass
 
-    def check(self, req, row: torch.Tensor, committed_len: int, free_pages, page_size) -> None:
+    def check(self, req, row: torch.Tensor, free_pages, page_size) -> None:
         pass
 
     def info(self) -> dict:
