@@ -112,7 +112,8 @@ def load() -> None:
             _active.append(counter)
             try:
                 with counter:
-                    result = original(worker, batch, paused(on_publish), gamma)
+                    publish = None if on_publish is None else paused(on_publish)
+                    result = original(worker, batch, publish, gamma)
             finally:
                 _active.remove(counter)
             record = {
