@@ -10,9 +10,11 @@ request measures decode. Servers run one at a time; the machine has two cores.
     .venv/bin/python benchmark/bench_cpu_backend.py --kernels   # the CPU path's choices only
 
 `--kernels` times, side by side, what the CPU path is built on, at batch 8 × 8K of SmolLM2's
-shape over 30 layers: decode attention on a token-major pool (SGLang's layout) and on our
-head-major one against the time to read that KV at the measured bandwidth, and a decode step's
-linear layers as `F.linear` against the weight-major product (`platforms/torch_ops.py`).
+attention shape: per layer, the time to read the KV at the bandwidth measured in the same run,
+the torch path (`magicdec_cpu_torch`) and the native kernel (`magicdec_cpu`), for 1, 4 and 8
+query tokens (decode, verify at γ = 3 and 7) and the SnapKV draft (512 keys per KV head), in
+fp32 and bf16; and a decode step's linear layers as `F.linear` against the weight-major product
+(`platforms/torch_ops.py`).
 """
 
 from __future__ import annotations
@@ -74,54 +76,111 @@ def _best_ms(fn, repeats: int = 5) -> float:
     return best * 1000
 
 
-def kernel_timings(batch: int = 8, context: int = 8000, layers: int = 30) -> None:
-    """Attention layouts and linear-layer forms of a decode step, side by side."""
+def kernel_timings(batch: int = 8, context: int = 8000, layers: int = 8) -> None:
+    """Attention per layer (torch path against the native kernel, decode / verify / draft, fp32
+    and bf16, KV of `layers` layers cycled so it comes from memory, not the cache) and a decode
+    step's linear layers, each beside the time its bytes take at the bandwidth measured here."""
     import torch.nn.functional as F
 
+    from magicdec_kernels.cpu_native import native, slot_attention_native
     from magicdec_kernels.index_attention import index_attention_torch, plan_requests
+    from magicdec_kernels.sparse_decode import sparse_decode_torch
     from sglang_magicdec.platforms.torch_ops import weight_major_product
 
-    kv_heads, group, head_dim = 3, 3, 64
+    kv_heads, group, head_dim, budget = 3, 3, 64, 512
     data = torch.ones(2**28)
     bandwidth = data.numel() * 4 / (_best_ms(data.sum) / 1000)
     del data
-    rows = batch * (context + 100)
-    slots = torch.cat(
-        [torch.arange(r * (context + 100), r * (context + 100) + context) for r in range(batch)]
-    )
-    kv_indptr = torch.arange(batch + 1) * context
-    q_indptr = torch.arange(batch + 1)
-    q = torch.randn(batch, kv_heads * group, head_dim)
-    plan = plan_requests(q_indptr, kv_indptr, slots)
-    kv_ms = 2 * batch * context * kv_heads * head_dim * 4 * layers / bandwidth * 1000
+    stride = context + 16
+    rows = batch * stride
     print(
-        f"read bandwidth {bandwidth / 1e9:.1f} GB/s; KV of batch {batch} x {context}: "
-        f"{kv_ms:.1f} ms to read"
+        f"read bandwidth {bandwidth / 1e9:.1f} GB/s; batch {batch} x {context} keys, "
+        f"{kv_heads} KV heads x group {group}, head dim {head_dim}, head-major pool; "
+        f"ms per layer (best of 5 passes over {layers} layers); native: "
+        f"{'yes' if native() is not None else 'UNAVAILABLE'}"
     )
-    for layout in ("token-major", "head-major"):
-        shape = (
-            (rows, kv_heads, head_dim) if layout == "token-major" else (kv_heads, rows, head_dim)
-        )
-        pools = [torch.randn(*shape) for _ in range(2 * layers)]
-        if layout == "head-major":
-            pools = [pool.permute(1, 0, 2) for pool in pools]
+    print(f"{'dtype':6} {'case':10} {'floor':>7} {'torch':>7} {'native':>7} {'torch/nat':>9}")
+    generator = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        pools = [
+            torch.randn(kv_heads, rows, head_dim, generator=generator).to(dtype).permute(1, 0, 2)
+            for _ in range(2 * layers)
+        ]
+        element = torch.finfo(dtype).bits // 8
+        for q_len in (1, 4, 8):
+            # Request r: `context` committed keys in one run, then its q_len query tokens.
+            lists = [torch.arange(r * stride, r * stride + context + q_len) for r in range(batch)]
+            kv_lens = torch.full((batch,), context + q_len, dtype=torch.int64)
+            head_slots = torch.stack(lists)[:, None]
+            kv_indptr = torch.arange(batch + 1) * (context + q_len)
+            q_indptr = torch.arange(batch + 1) * q_len
+            slots = torch.cat(lists)
+            plan = plan_requests(q_indptr, kv_indptr, slots)
+            q = torch.randn(batch * q_len, kv_heads * group, head_dim).to(dtype)
 
-        def attend(pools=pools):
-            for layer in range(layers):
-                k, v = pools[2 * layer], pools[2 * layer + 1]
+            def torch_path(
+                k, v, q=q, q_indptr=q_indptr, kv_indptr=kv_indptr, slots=slots, plan=plan
+            ):
                 index_attention_torch(q, k, v, q_indptr, kv_indptr, slots, 0.125, plan=plan)
 
-        print(f"decode attention, {layout} pool: {_best_ms(attend):.1f} ms")
-        del pools
+            def native_path(k, v, q=q, q_indptr=q_indptr, head_slots=head_slots, kv_lens=kv_lens):
+                slot_attention_native(q, k, v, q_indptr, head_slots, kv_lens, 0.125)
+
+            floor = 2 * batch * (context + q_len) * kv_heads * head_dim * element / bandwidth
+            _kernel_row(dtype, f"q_len {q_len}", floor, pools, torch_path, native_path)
+        # The SnapKV draft: per-head lists of `budget` prompt keys scattered over the context.
+        head_lists = torch.stack(
+            [
+                torch.stack(
+                    [
+                        r * stride + torch.randperm(context, generator=generator)[:budget].sort()[0]
+                        for _ in range(kv_heads)
+                    ]
+                )
+                for r in range(batch)
+            ]
+        )
+        draft_lens = torch.full((batch,), budget, dtype=torch.int64)
+        q = torch.randn(batch, kv_heads * group, head_dim).to(dtype)
+
+        def torch_draft(k, v, q=q, slots=head_lists, lens=draft_lens):
+            sparse_decode_torch(q, k, v, slots, lens, 0.125)
+
+        def native_draft(k, v, q=q, slots=head_lists, lens=draft_lens):
+            slot_attention_native(q, k, v, torch.arange(batch + 1), slots, lens, 0.125)
+
+        floor = 2 * batch * budget * kv_heads * head_dim * element / bandwidth
+        _kernel_row(dtype, f"draft {budget}", floor, pools, torch_draft, native_draft)
+    full_layers = 30
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
-    weights = [torch.randn(*shape) for shape in shapes for _ in range(layers)]
+    weights = [torch.randn(*shape) for shape in shapes for _ in range(full_layers)]
     inputs = {576: torch.randn(batch, 576), 1536: torch.randn(batch, 1536)}
     linear_ms = _best_ms(lambda: [F.linear(inputs[w.shape[1]], w) for w in weights])
     major_ms = _best_ms(lambda: [weight_major_product(inputs[w.shape[1]], w) for w in weights])
     weight_ms = sum(w.numel() * 4 for w in weights) / bandwidth * 1000
     print(
-        f"linear layers, {batch} rows: F.linear {linear_ms:.1f} ms, weight-major "
-        f"{major_ms:.1f} ms ({weight_ms:.1f} ms to read the weights)"
+        f"linear layers of {full_layers}, {batch} rows: F.linear {linear_ms:.1f} ms, "
+        f"weight-major {major_ms:.1f} ms ({weight_ms:.1f} ms to read the weights)"
+    )
+
+
+def _kernel_row(dtype, case: str, floor_s: float, pools, torch_layer, native_layer) -> None:
+    """One printed row: ms per layer of each path, every layer's pool read in turn."""
+    from magicdec_kernels.cpu_native import native
+
+    layers = len(pools) // 2
+
+    def over_layers(attend):
+        return lambda: [attend(pools[2 * i], pools[2 * i + 1]) for i in range(layers)]
+
+    torch_ms = _best_ms(over_layers(torch_layer)) / layers
+    native_ms = float("nan")
+    if native() is not None:
+        native_ms = _best_ms(over_layers(native_layer)) / layers
+    name = str(dtype).removeprefix("torch.")
+    print(
+        f"{name:6} {case:10} {floor_s * 1000:7.2f} {torch_ms:7.2f} {native_ms:7.2f} "
+        f"{torch_ms / native_ms:9.2f}"
     )
 
 

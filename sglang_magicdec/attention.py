@@ -1,10 +1,15 @@
 """`magicdec_cpu`: an SGLang attention backend that reads an explicit KV-slot list per request.
 
 Registered in SGLang's attention registry by the plugin and chosen by default on our CPU platform.
-Extend, decode and target-verify reduce to `index_attention_torch` over each request's slot list,
-planned once per forward (shared by every layer). The MagicDec draft's decode steps hand in
-their own slots through `spec_info.head_slots / kv_lens` (per layer and KV head, padded:
-`sparse_decode_attention`).
+Decode, target-verify and the MagicDec draft's decode steps (which hand in their own slots
+through `spec_info.head_slots / kv_lens`, per layer and KV head, padded) run the native kernel
+(`magicdec_kernels.cpu_native`): each (request, KV head) read once for all its query rows.
+Extend (prefill chunks, compute-bound) reduces to `index_attention_torch` over each request's
+slot list, planned once per forward (shared by every layer).
+
+`magicdec_cpu_torch` is the same backend on torch ops alone (`index_attention_torch` for decode
+and verify, `sparse_decode_attention` for the draft), and what `magicdec_cpu` falls back to, with
+one logged line, where the native kernel is not built or the CPU lacks AVX2.
 """
 
 from __future__ import annotations
@@ -16,9 +21,11 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
+from magicdec_kernels import cpu_native
 from magicdec_kernels.index_attention import AttentionPlan, index_attention_torch, plan_requests
 from magicdec_kernels.sparse_decode import sparse_decode_attention
 from sglang_magicdec.model import unsupported_attention
+from sglang_magicdec.platforms import ATTENTION_BACKEND
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -43,6 +50,36 @@ class DraftSlots:
 
     head_slots: torch.Tensor
     kv_lens: torch.Tensor
+
+
+@dataclass
+class PaddedSlots:
+    """Decode or verify for the native kernel: request b's query rows q_indptr[b]..[b+1] read
+    head_slots[b, 0, :kv_lens[b]], its committed slots then its query tokens' own."""
+
+    q_indptr: torch.Tensor
+    head_slots: torch.Tensor  # [B, 1, W] int64
+    kv_lens: torch.Tensor
+
+
+def padded_slot_lists(
+    req_to_token: torch.Tensor,
+    req_pool_indices: list[int],
+    prefix_lens: list[int],
+    q_lens: list[int],
+    out_cache_loc: torch.Tensor,
+) -> PaddedSlots:
+    """`build_slot_lists`'s lists, padded to one width (one gather of the rows for the batch)."""
+    kv_lens = [p + q for p, q in zip(prefix_lens, q_lens, strict=True)]
+    width = max(kv_lens, default=0)
+    head_slots = req_to_token[req_pool_indices, :width].to(torch.int64)
+    q_start = 0
+    for b, (prefix_len, q_len) in enumerate(zip(prefix_lens, q_lens, strict=True)):
+        head_slots[b, prefix_len : prefix_len + q_len] = out_cache_loc[q_start : q_start + q_len]
+        q_start += q_len
+    q_indptr = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
+    q_indptr[1:] = torch.tensor(q_lens, dtype=torch.int64).cumsum(0)
+    return PaddedSlots(q_indptr, head_slots[:, None], torch.tensor(kv_lens, dtype=torch.int64))
 
 
 def build_slot_lists(
@@ -73,12 +110,14 @@ def build_slot_lists(
 class IndexAttnBackend(AttentionBackend):
     """Torch attention over explicit slot lists, for CPU (see module docstring)."""
 
-    def __init__(self, model_runner: ModelRunner):
+    def __init__(self, model_runner: ModelRunner, native: bool):
         super().__init__()
         self.device = model_runner.device
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         self.token_to_kv_pool = model_runner.token_to_kv_pool
-        self.forward_metadata: SlotLists | DraftSlots | None = None
+        # `native()` logs, once, why the kernel cannot run when it cannot.
+        self.native = native and cpu_native.native() is not None
+        self.forward_metadata: SlotLists | PaddedSlots | DraftSlots | None = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         mode = forward_batch.forward_mode
@@ -97,7 +136,10 @@ class IndexAttnBackend(AttentionBackend):
         else:
             q_lens = list(forward_batch.extend_seq_lens_cpu)
             prefix_lens = list(forward_batch.extend_prefix_lens_cpu)
-        self.forward_metadata = build_slot_lists(
+        build = build_slot_lists
+        if self.native and (mode.is_decode() or mode.is_target_verify()):
+            build = padded_slot_lists
+        self.forward_metadata = build(
             self.req_to_token,
             forward_batch.req_pool_indices.tolist(),
             prefix_lens,
@@ -126,22 +168,31 @@ class IndexAttnBackend(AttentionBackend):
         meta = self.forward_metadata
         q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         out = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
+        k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
         if isinstance(meta, DraftSlots):
             head_slots = meta.head_slots[layer.layer_id if meta.head_slots.shape[0] > 1 else 0]
-            sparse_decode_attention(
-                q,
-                self.token_to_kv_pool.get_key_buffer(layer.layer_id),
-                self.token_to_kv_pool.get_value_buffer(layer.layer_id),
-                head_slots.expand(-1, layer.tp_k_head_num, -1),
-                meta.kv_lens,
-                layer.scaling,
-                out=out,
-            )
+            if self.native:
+                q_indptr = torch.arange(q.shape[0] + 1, dtype=torch.int64)
+                cpu_native.slot_attention_native(
+                    q, k_cache, v_cache, q_indptr, head_slots, meta.kv_lens, layer.scaling, out
+                )
+            else:
+                head_slots = head_slots.expand(-1, layer.tp_k_head_num, -1)
+                sparse_decode_attention(
+                    q, k_cache, v_cache, head_slots, meta.kv_lens, layer.scaling, out=out
+                )
+            return out.view(q.shape[0], -1)
+        if isinstance(meta, PaddedSlots):
+            cpu_native.slot_attention_native(
+                q, k_cache, v_cache, meta.q_indptr, meta.head_slots, meta.kv_lens,
+                layer.scaling, out,
+            )  # fmt: skip
             return out.view(q.shape[0], -1)
         index_attention_torch(
             q,
-            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
-            self.token_to_kv_pool.get_value_buffer(layer.layer_id),
+            k_cache,
+            v_cache,
             meta.q_indptr,
             meta.kv_indptr,
             meta.kv_indices,
@@ -158,5 +209,5 @@ class IndexAttnBackend(AttentionBackend):
         return False
 
 
-def create_backend(model_runner: ModelRunner) -> IndexAttnBackend:
-    return IndexAttnBackend(model_runner)
+def create_backend(model_runner: ModelRunner, name: str = ATTENTION_BACKEND) -> IndexAttnBackend:
+    return IndexAttnBackend(model_runner, native=name == ATTENTION_BACKEND)

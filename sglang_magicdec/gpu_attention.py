@@ -25,7 +25,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sglang_magicdec.config import ALGORITHM
 from sglang_magicdec.model import unsupported_attention
-from sglang_magicdec.platforms import ATTENTION_BACKEND as CPU_ATTENTION_BACKEND
+from sglang_magicdec.platforms import CPU_ATTENTION_BACKENDS
 from sglang_magicdec.spec_info import MagicDecInput
 
 if TYPE_CHECKING:
@@ -41,9 +41,9 @@ DENSE_BACKENDS = ("fa3", "flashinfer", "triton")
 
 def check_attention_backends(backends: tuple[str | None, ...], cpu_platform: bool) -> None:
     """The rule MAGICDEC's launch applies to the resolved (prefill, decode) attention backends:
-    each must be one the wrapper serves (or, on our CPU platform, our own CPU backend).
+    each must be one the wrapper serves (or, on our CPU platform, our own CPU backends).
     Raises ValueError with a one-line message otherwise."""
-    supported = DENSE_BACKENDS + ((CPU_ATTENTION_BACKEND,) if cpu_platform else ())
+    supported = DENSE_BACKENDS + (CPU_ATTENTION_BACKENDS if cpu_platform else ())
     for backend in backends:
         if backend not in supported:
             raise ValueError(

@@ -3,13 +3,14 @@ detokenizer), so whatever we register here exists wherever SGLang looks for it."
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol
 
-from sglang_magicdec.platforms import ATTENTION_BACKEND
+from sglang_magicdec.platforms import ATTENTION_BACKEND, CPU_ATTENTION_BACKENDS
 
 
 def load() -> None:
-    """Register MAGICDEC, our attention backends (the CPU one; the wrapper SGLang's fa3,
+    """Register MAGICDEC, our attention backends (the CPU ones; the wrapper SGLang's fa3,
     flashinfer and triton backends get while MAGICDEC runs), the request checks SGLang lacks
     (`validation`) and, on our CPU platform, the CPU defaults."""
     from sglang.srt.arg_groups.choices import add_attention_backend_choices
@@ -21,8 +22,9 @@ def load() -> None:
     from sglang_magicdec.gpu_attention import wrap_dense_backends
     from sglang_magicdec.platforms import is_active
 
-    add_attention_backend_choices([ATTENTION_BACKEND])
-    register_attention_backend(ATTENTION_BACKEND)(create_backend)
+    add_attention_backend_choices(list(CPU_ATTENTION_BACKENDS))
+    for name in CPU_ATTENTION_BACKENDS:
+        register_attention_backend(name)(functools.partial(create_backend, name=name))
     wrap_dense_backends()
     spec_algo.register()
     validation.register()

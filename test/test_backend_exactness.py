@@ -1,4 +1,5 @@
-"""Our CPU attention backend gives the same greedy tokens as SGLang's stock torch_native one."""
+"""Our CPU attention backends (the native kernel's and the torch one) give the same greedy
+tokens as SGLang's stock torch_native one."""
 
 from concurrent.futures import ThreadPoolExecutor
 
@@ -29,12 +30,25 @@ def _greedy_batch(server, prompts):
         return list(pool.map(one, prompts))
 
 
-def test_greedy_tokens_identical_to_torch_native_fp32(server_factory, prompts):
-    ours = server_factory("--dtype", "float32")
-    our_outputs = _greedy_batch(ours, prompts)
-    ours.stop()  # two cores: never two servers decoding at once
+@pytest.fixture(scope="module")
+def stock_outputs(server_factory, prompts):
     stock = server_factory("--dtype", "float32", "--attention-backend", "torch_native")
-    stock_outputs = _greedy_batch(stock, prompts)
+    try:
+        return _greedy_batch(stock, prompts)
+    finally:
+        stock.stop()  # two cores: never two servers decoding at once
+
+
+@pytest.mark.parametrize("backend", ["magicdec_cpu", "magicdec_cpu_torch"])
+def test_greedy_tokens_identical_to_torch_native_fp32(
+    server_factory, prompts, stock_outputs, backend
+):
+    ours = server_factory("--dtype", "float32", "--attention-backend", backend)
+    try:
+        our_outputs = _greedy_batch(ours, prompts)
+        assert "native slot attention unavailable" not in ours.log_path.read_text()
+    finally:
+        ours.stop()
     for index, (got, expected) in enumerate(zip(our_outputs, stock_outputs, strict=True)):
         assert len(got) == NEW_TOKENS
         first_diff = next(

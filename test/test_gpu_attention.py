@@ -25,10 +25,11 @@ def test_rule_accepts_the_wrapped_backends(backend, cpu_platform):
     check_attention_backends((backend, backend), cpu_platform)
 
 
-def test_rule_accepts_the_cpu_backend_on_the_cpu_platform_only():
-    check_attention_backends(("magicdec_cpu", "magicdec_cpu"), cpu_platform=True)
-    with pytest.raises(ValueError, match="got 'magicdec_cpu'"):
-        check_attention_backends(("magicdec_cpu", "magicdec_cpu"), cpu_platform=False)
+@pytest.mark.parametrize("backend", ["magicdec_cpu", "magicdec_cpu_torch"])
+def test_rule_accepts_the_cpu_backends_on_the_cpu_platform_only(backend):
+    check_attention_backends((backend, backend), cpu_platform=True)
+    with pytest.raises(ValueError, match=f"got '{backend}'"):
+        check_attention_backends((backend, backend), cpu_platform=False)
 
 
 @pytest.mark.parametrize(

@@ -55,7 +55,8 @@ def test_help_shows_magicdec_group():
             # fa4: one SGLang lets through on this CPU (torch_native is refused the same way,
             # after a line SGLang itself logs about CUDA graphs).
             ["--speculative-algorithm", "MAGICDEC", "--attention-backend", "fa4"],
-            "MAGICDEC runs on --attention-backend fa3, flashinfer, triton, magicdec_cpu; got 'fa4'",
+            "MAGICDEC runs on --attention-backend fa3, flashinfer, triton, magicdec_cpu, "
+            "magicdec_cpu_torch; got 'fa4'",
         ),
         # The embedded model's 9 query / 3 KV heads cannot split over 2 ranks: one line at
         # launch, not a traceback from a rank's weight loading.

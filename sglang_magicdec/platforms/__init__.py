@@ -9,7 +9,9 @@ from __future__ import annotations
 import os
 
 PLATFORM_NAME = "magicdec_cpu"
-ATTENTION_BACKEND = "magicdec_cpu"
+ATTENTION_BACKEND = "magicdec_cpu"  # the native kernel (magicdec_kernels/cpu_native.py)
+TORCH_ATTENTION_BACKEND = "magicdec_cpu_torch"  # the same semantics on torch ops alone
+CPU_ATTENTION_BACKENDS = (ATTENTION_BACKEND, TORCH_ATTENTION_BACKEND)
 PLATFORM_CLASS = "sglang_magicdec.platforms.cpu.MagicDecCpuPlatform"
 
 

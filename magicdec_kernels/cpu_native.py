@@ -1,0 +1,216 @@
+"""Native CPU attention over lists of KV-pool slots (C++ in csrc/slot_attention.cpp).
+
+One entry point serves plain decode, target verification and the sparse draft: request b's query
+rows attend over the pool slots its list names, per KV head or shared by all heads. At long
+context the cost of all three is reading K and V once, so the kernel reads each (request, KV
+head)'s keys and values once for all of the request's query rows times the query heads of the GQA
+group, straight from the pool by slot index (never gathered into a per-request copy), with an
+online softmax over blocks of keys. Long lists are split into key chunks spread over torch's
+threads and merged exactly by their log-sum-exps, so one long request still uses every core.
+
+Layout:
+    q           [Nq, Hq, D]          float32 or bfloat16; the requests' query rows back to back
+    k_cache     [slots, Hkv, D]      float32 or bfloat16 (v_cache alike, head dim Dv); any
+                                     strides with the last dim contiguous: our CPU pool is a
+                                     head-major [Hkv, slots, D] store viewed this way
+    q_indptr    [B + 1] int64 (CPU)  query rows of request b are q[q_indptr[b]:q_indptr[b + 1]]
+    head_slots  [B, Hkv or 1, W] int64
+                                     KV head h of request b reads slots head_slots[b, h, :n_b]
+                                     (dim 1 of size 1: every head reads the same list)
+    kv_lens     [B] int64 (CPU)      n_b
+    out         [Nq, Hq, Dv]         q's dtype, written in place and returned
+
+Query head j reads KV head j // (Hq // Hkv). Causality is aligned to the end of each list: query
+row i of a request with q_len rows sees the first `n_b - q_len + i + 1` keys of its list (decode,
+q_len 1, sees them all; in verification the last γ+1 entries are the query tokens themselves).
+A row that sees no key gets zeros. Softmax and accumulation run in float32. Query rows outside
+every request's range are not written.
+
+`native()` builds (once; later loads only check the sources) and loads the extension, or says in
+one warning why it cannot and returns None; `slot_attention` takes the native kernel when it is
+loaded and supports the shapes, `slot_attention_torch` (the reference) otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+BUILD_DIR = Path(__file__).parent / "_native"
+SOURCE = Path(__file__).parent / "csrc" / "slot_attention.cpp"
+EXTENSION_NAME = "magicdec_slot_attention"
+
+
+def build(verbose: bool = False) -> ModuleType:
+    """Compile (if the sources changed) and load the extension module."""
+    cpp_extension = _import_cpp_extension()
+    BUILD_DIR.mkdir(parents=True, exist_ok=True)
+    # at::parallel_for is inline: under torch's OpenMP backend its `omp parallel` is compiled into
+    # the extension, which then shares torch's libgomp (already loaded) and thread count.
+    openmp = ["-fopenmp"] if torch.backends.openmp.is_available() else []
+    return cpp_extension.load(
+        name=EXTENSION_NAME,
+        sources=[str(SOURCE.resolve())],
+        build_directory=str(BUILD_DIR),
+        # No -march=native: the source picks AVX-512 / AVX2 per function at run time.
+        extra_cflags=["-O3", *openmp],
+        extra_ldflags=openmp,
+        is_python_module=True,
+        verbose=verbose,
+    )
+
+
+def _import_cpp_extension() -> ModuleType:
+    # Its import warns "No CUDA runtime is found" on CPU machines that have a CUDA_HOME: noise in
+    # every server process here, where only the host compiler is used.
+    cpp_logger = logging.getLogger("torch.utils.cpp_extension")
+    level = cpp_logger.level
+    cpp_logger.setLevel(logging.ERROR)
+    try:
+        from torch.utils import cpp_extension
+    finally:
+        cpp_logger.setLevel(level)
+    return cpp_extension
+
+
+@functools.cache
+def native() -> ModuleType | None:
+    """The loaded extension, or None (with one warning saying why) where it cannot run well."""
+    try:
+        module = build()
+    except Exception as error:  # a missing compiler, headers, a read-only tree...
+        logger.warning("native slot attention unavailable (build failed: %s)", _reason(error))
+        return None
+    if module.best_isa() == "scalar":
+        logger.warning("native slot attention unavailable (this CPU has neither AVX2 nor AVX-512)")
+        return None
+    return module
+
+
+def _reason(error: Exception) -> str:
+    """One line of a build error: the compiler's first error, else the message's last line."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if not lines:
+        return repr(error)
+    compiler_errors = [line for line in lines if "error:" in line]
+    return (compiler_errors[0] if compiler_errors else lines[-1])[:300]
+
+
+def supports_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the native kernel takes these tensors (else `slot_attention` uses torch)."""
+    floats = (torch.float32, torch.bfloat16)
+    return (
+        not q.is_cuda
+        and q.dtype in floats
+        and k_cache.dtype in floats
+        and v_cache.dtype == k_cache.dtype
+        and q.shape[-1] % 16 == 0
+        and v_cache.shape[-1] % 16 == 0
+        and q.stride(-1) == 1
+        and k_cache.stride(-1) == 1
+        and v_cache.stride(-1) == 1
+    )
+
+
+def slot_attention_native(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    q_indptr: torch.Tensor,
+    head_slots: torch.Tensor,
+    kv_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The native kernel (raises if `native()` is None). Returns out, [Nq, Hq, Dv]."""
+    module = native()
+    if module is None:
+        raise RuntimeError("the native slot attention extension is not available")
+    if out is None:
+        out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[2])
+    return module.slot_attention(
+        q, k_cache, v_cache, q_indptr, head_slots, kv_lens, float(scale), out
+    )
+
+
+def slot_attention_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    q_indptr: torch.Tensor,
+    head_slots: torch.Tensor,
+    kv_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The same attention in plain torch, one request at a time (the reference path)."""
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, v_dim = k_cache.shape[1], v_cache.shape[2]
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    group = num_q_heads // num_kv_heads
+    if out is None:
+        out = q.new_empty(q.shape[0], num_q_heads, v_dim)
+    keys_by_head, values_by_head = k_cache.permute(1, 0, 2), v_cache.permute(1, 0, 2)
+    heads = torch.arange(num_kv_heads, device=q.device)[:, None]
+    bounds, lens = q_indptr.tolist(), kv_lens.tolist()
+    for b, kv_len in enumerate(lens):
+        q_start, q_end = bounds[b], bounds[b + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        if kv_len == 0:
+            out[q_start:q_end] = 0
+            continue
+        slots = head_slots[b, :, :kv_len].expand(num_kv_heads, kv_len)
+        keys = keys_by_head[heads, slots].float()  # [Hkv, n, D]
+        values = values_by_head[heads, slots].float()
+        # [Hkv, group, q_len, D]: the query heads of one KV head share its keys.
+        queries = q[q_start:q_end].reshape(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        scores = torch.matmul(queries.float(), keys.transpose(1, 2)[:, None]).mul_(scale)
+        rows = torch.arange(q_len, device=q.device)[:, None]
+        hidden = torch.arange(kv_len, device=q.device)[None, :] >= kv_len - q_len + rows + 1
+        scores.masked_fill_(hidden, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # a row seeing nothing: zeros
+        result = torch.matmul(probs, values[:, None])  # [Hkv, group, q_len, Dv]
+        out[q_start:q_end] = result.permute(2, 0, 1, 3).reshape(q_len, num_q_heads, v_dim)
+    return out
+
+
+def slot_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    q_indptr: torch.Tensor,
+    head_slots: torch.Tensor,
+    kv_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`slot_attention_native` where it is loaded and takes these tensors, else the torch one."""
+    if supports_native(q, k_cache, v_cache) and native() is not None:
+        return slot_attention_native(q, k_cache, v_cache, q_indptr, head_slots, kv_lens, scale, out)
+    return slot_attention_torch(q, k_cache, v_cache, q_indptr, head_slots, kv_lens, scale, out)
+
+
+def _main(argv: list[str]) -> int:
+    if argv != ["build"]:
+        print("usage: python -m magicdec_kernels.cpu_native build", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    module = build()
+    seconds = time.perf_counter() - start
+    print(f"{EXTENSION_NAME}: ready in {BUILD_DIR} ({module.best_isa()}, {seconds:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
