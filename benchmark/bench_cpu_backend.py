@@ -1,9 +1,10 @@
-"""Our CPU attention backend (`magicdec_cpu`) against SGLang's stock `torch_native` backend and HF
-transformers, measured side by side in one run on this machine.
+"""Our CPU attention backends (`magicdec_cpu`, the native kernel, and `magicdec_cpu_torch`) against
+SGLang's stock `torch_native` backend and HF transformers, side by side in one run on this machine.
 
     .venv/bin/python benchmark/bench_cpu_backend.py            # or: make bench
 
-Reports decode tokens/s for (a) one short prompt, (b) a batch of 4 PG-19 prompts of 2K tokens.
+Reports decode tokens/s for (a) one short prompt, (b) a batch of PG-19 prompts (`--batch`,
+`--context`; default 4 × 2K).
 Prompts are prefilled first (max_new_tokens=1, then served from the radix cache), so the timed
 request measures decode. Servers run one at a time; the machine has two cores.
 
@@ -33,6 +34,7 @@ from sglang_magicdec.server_process import ServerProcess, start_server
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 SHORT_PROMPT = "The capital of France is"
+BACKENDS = ("torch_native", "magicdec_cpu_torch", "magicdec_cpu")
 
 
 def _decode_rate(server: ServerProcess, prompts: list[list[int]], new_tokens: int) -> float:
@@ -200,17 +202,20 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
+    from benchmark.suite import load_prompts
+
     model_path = embedded_model_path()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    with (args.data / "pg19" / "pg19_4K.jsonl").open() as handle:
-        texts = [json.loads(line)["text"] for line in handle][: args.batch]
-    long_prompts = [tokenizer(text)["input_ids"][: args.context] for text in texts]
+    long_prompts = load_prompts(args.data, args.context, args.batch, tokenizer)
     short_prompt = tokenizer(SHORT_PROMPT)["input_ids"]
 
     rates: dict[str, dict[str, float]] = {}
     log_dir = Path(tempfile.mkdtemp(prefix="bench-cpu-"))
-    for backend in ["torch_native", "magicdec_cpu"]:
-        server = start_server(["--dtype", args.dtype, "--attention-backend", backend], log_dir)
+    pool = ["--max-total-tokens", str(args.batch * (args.context + 2 * args.new_tokens) + 4096)]
+    for backend in BACKENDS:
+        server = start_server(
+            ["--dtype", args.dtype, "--attention-backend", backend, *pool], log_dir
+        )
         try:
             rates[backend] = {
                 "short_b1": _decode_rate(server, [short_prompt], args.new_tokens),
@@ -228,22 +233,25 @@ def main() -> None:
         json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rates": rates}, indent=2)
     )
     ours, stock, hf = rates["magicdec_cpu"], rates["torch_native"], rates["hf_transformers"]
+    ours_torch = rates["magicdec_cpu_torch"]
     label = f"batch {args.batch} x {args.context} ctx"
     print(
         f"\ndecode tokens/s, {args.dtype}, {args.new_tokens} new tokens, "
         f"torch threads {torch.get_num_threads()}"
     )
-    print("| case | torch_native | magicdec_cpu | HF transformers | ours / stock | ours / HF |")
-    print("|---|---|---|---|---|---|")
     print(
-        f"| 1 request, short prompt | {stock['short_b1']:.1f} | {ours['short_b1']:.1f} | "
-        f"{hf['short_b1']:.1f} | {ours['short_b1'] / stock['short_b1']:.2f}x | "
-        f"{ours['short_b1'] / hf['short_b1']:.2f}x |"
+        "| case | torch_native | magicdec_cpu_torch | magicdec_cpu | HF transformers "
+        "| ours / stock | native / our torch |"
     )
-    print(
-        f"| {label} | {stock['long_batch']:.1f} | {ours['long_batch']:.1f} | - | "
-        f"{ours['long_batch'] / stock['long_batch']:.2f}x | - |"
-    )
+    print("|---|---|---|---|---|---|---|")
+    for case, name, hf_rate in (
+        ("short_b1", "1 request, short prompt", f"{hf['short_b1']:.1f}"),
+        ("long_batch", label, "-"),
+    ):
+        print(
+            f"| {name} | {stock[case]:.1f} | {ours_torch[case]:.1f} | {ours[case]:.1f} | "
+            f"{hf_rate} | {ours[case] / stock[case]:.2f}x | {ours[case] / ours_torch[case]:.2f}x |"
+        )
 
 
 if __name__ == "__main__":
