@@ -273,13 +273,16 @@ def routing(worker_urls: list[str], log_path, timeout_s: float = 120) -> Iterato
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-             "--port", str(port), "--policy", "cache_aware", "--worker-urls", *worker_urls],
+             "--port", str(port), "--prometheus-port", str(free_port()),
+             "--policy", "cache_aware", "--worker-urls", *worker_urls],
             stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
     router = ServerProcess(f"http://127.0.0.1:{port}", process, log_path)
     try:
         deadline = time.monotonic() + timeout_s
-        while not _answers(router):
+        # The router answers /health before it has registered its workers (in the background:
+        # its log says "Router ready | workers: []"), and answers 503 to traffic until then.
+        while not _serves(router, worker_urls):
             if process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"router did not start ({process.poll()}):\n{router.log_tail()}")
             time.sleep(1)
@@ -288,11 +291,14 @@ def routing(worker_urls: list[str], log_path, timeout_s: float = 120) -> Iterato
         router.stop()
 
 
-def _answers(router: ServerProcess) -> bool:
+def _serves(router: ServerProcess, worker_urls: list[str]) -> bool:
+    """Every worker is registered with the router and healthy (its `/workers` listing)."""
     try:
-        return requests.get(f"{router.url}/health", timeout=10).status_code == 200
-    except requests.RequestException:
+        listing = requests.get(f"{router.url}/workers", timeout=10).json()["workers"]
+    except (requests.RequestException, ValueError, KeyError):
         return False
+    healthy = {worker["url"] for worker in listing if worker.get("is_healthy")}
+    return healthy >= set(worker_urls)
 
 
 def test_router_sends_a_document_to_one_worker(log_dir, tiny_args, documents, tokenizer,
