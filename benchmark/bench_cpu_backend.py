@@ -1,14 +1,14 @@
 """Our CPU attention backends (`magicdec_cpu`, the native kernel, and `magicdec_cpu_torch`) against
 SGLang's stock `torch_native` backend and HF transformers, side by side in one run on this machine.
 
-    .venv/bin/python benchmark/bench_cpu_backend.py            # or: make bench
+    .venv/bin/python -m benchmark.bench_cpu_backend
 
 Reports decode tokens/s for (a) one short prompt, (b) a batch of PG-19 prompts (`--batch`,
 `--context`; default 4 × 2K).
 Prompts are prefilled first (max_new_tokens=1, then served from the radix cache), so the timed
 request measures decode. Servers run one at a time; the machine has two cores.
 
-    .venv/bin/python benchmark/bench_cpu_backend.py --kernels   # the CPU path's choices only
+    .venv/bin/python -m benchmark.bench_cpu_backend --kernels   # the CPU path's choices only
 
 `--kernels` times, side by side, what the CPU path is built on, at batch 8 × 8K of SmolLM2's
 attention shape: per layer, the time to read the KV at the bandwidth measured in the same run,
