@@ -50,6 +50,7 @@ class DraftSlots:
 
     head_slots: torch.Tensor
     kv_lens: torch.Tensor
+    q_indptr: torch.Tensor  # [B + 1]: one query row per request
 
 
 @dataclass
@@ -124,7 +125,9 @@ class IndexAttnBackend(AttentionBackend):
         spec_info = forward_batch.spec_info
         batch = forward_batch.batch_size
         if mode.is_decode() and getattr(spec_info, "head_slots", None) is not None:
-            self.forward_metadata = DraftSlots(spec_info.head_slots, spec_info.kv_lens)
+            self.forward_metadata = DraftSlots(
+                spec_info.head_slots, spec_info.kv_lens, torch.arange(batch + 1)
+            )
             return
         seq_lens = forward_batch.seq_lens_cpu.tolist()
         if mode.is_decode():
@@ -173,10 +176,10 @@ class IndexAttnBackend(AttentionBackend):
         if isinstance(meta, DraftSlots):
             head_slots = meta.head_slots[layer.layer_id if meta.head_slots.shape[0] > 1 else 0]
             if self.native:
-                q_indptr = torch.arange(q.shape[0] + 1, dtype=torch.int64)
-                cpu_native.slot_attention_native(
-                    q, k_cache, v_cache, q_indptr, head_slots, meta.kv_lens, layer.scaling, out
-                )
+                cpu_native.slot_attention(
+                    q, k_cache, v_cache, meta.q_indptr, head_slots, meta.kv_lens,
+                    layer.scaling, out,
+                )  # fmt: skip
             else:
                 head_slots = head_slots.expand(-1, layer.tp_k_head_num, -1)
                 sparse_decode_attention(
@@ -184,7 +187,9 @@ class IndexAttnBackend(AttentionBackend):
                 )
             return out.view(q.shape[0], -1)
         if isinstance(meta, PaddedSlots):
-            cpu_native.slot_attention_native(
+            # The native kernel, or its torch reference for shapes it does not take (head dims
+            # not a multiple of 16, fp16): same lists, same result.
+            cpu_native.slot_attention(
                 q, k_cache, v_cache, meta.q_indptr, meta.head_slots, meta.kv_lens,
                 layer.scaling, out,
             )  # fmt: skip

@@ -245,7 +245,7 @@ class SnapKVSelection:
 
     def positions(self, req, committed_len: int, row: torch.Tensor) -> DraftPositions:
         """The positions `req`'s draft reads this round: its summary's, on the device since its
-        first round, then its recent tokens ([1, 1, n] streaming ones without a summary).
+        first round, then its recent tokens (the streaming fallback's without a summary).
         `row` is its `req_to_token` row."""
         holding = self.store.held_by(req.rid)
         if holding is None:
