@@ -41,16 +41,37 @@ def session_server_factory(tmp_path_factory) -> Iterator:
     yield from _server_factory(tmp_path_factory)
 
 
+# A session server holds ~5 GB (three processes and a 60K-token float32 pool) of the machine's
+# 24: each is stopped right after the last collected test that needs it, not at the session's
+# end, so that later modules' servers find the memory free (SGLang sizes its pool from it).
+SESSION_SERVERS: dict[str, ServerProcess] = {}
+_LAST_USER: dict[str, str] = {}
+
+
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:
+        for name in ("plain", "streaming"):
+            if name in getattr(item, "fixturenames", ()):
+                _LAST_USER[name] = item.nodeid
+
+
+def pytest_runtest_teardown(item) -> None:
+    for name, last in _LAST_USER.items():
+        if last == item.nodeid and name in SESSION_SERVERS:
+            SESSION_SERVERS.pop(name).stop()
+
+
 @pytest.fixture(scope="session")
 def plain(session_server_factory) -> ServerProcess:
     """The same model without speculation: the reference outputs."""
-    return session_server_factory(*POOL_ARGS)
+    SESSION_SERVERS["plain"] = session_server_factory(*POOL_ARGS)
+    return SESSION_SERVERS["plain"]
 
 
 @pytest.fixture(scope="session")
 def streaming(session_server_factory) -> ServerProcess:
     """MAGICDEC with the StreamingLLM draft, checking every draft selection (debug)."""
-    return session_server_factory(
+    SESSION_SERVERS["streaming"] = session_server_factory(
         *POOL_ARGS,
         "--speculative-algorithm",
         "MAGICDEC",
@@ -60,6 +81,7 @@ def streaming(session_server_factory) -> ServerProcess:
         "streaming",
         "--magicdec-debug",
     )
+    return SESSION_SERVERS["streaming"]
 
 
 @pytest.fixture(scope="session")
