@@ -4,6 +4,9 @@ draft budget, and the shared-document workload. Writes benchmark/results/suite.m
 
     .venv/bin/python -m benchmark.suite                      # the CPU defaults (about 2 hours)
     .venv/bin/python -m benchmark.suite --quick              # a smaller grid
+    .venv/bin/python -m benchmark.suite --dtype bfloat16     # weights and KV in bf16
+    .venv/bin/python -m benchmark.suite --contexts 12288 --context-length 16384
+                                                             # past SmolLM2's 8,192 positions
     .venv/bin/python -m benchmark.suite --base-url http://HOST:PORT --contexts 32768 --batches 16 64
                                                              # throughput of one running server
                                                              # (e.g. on a GPU), nothing started
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -44,6 +48,7 @@ from sglang_magicdec.server_process import ServerProcess, start_server
 
 SOURCE_FILE = {1024: "pg19_4K", 2048: "pg19_4K", 4096: "pg19_8K", 8192: "pg19_16K"}
 SPECULATIVE = ["--speculative-algorithm", "MAGICDEC"]
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 MAGICDEC_BUDGET = 512  # the server's default --magicdec-budget
 
 
@@ -162,23 +167,32 @@ def read_bandwidth() -> float:
     return data.numel() * data.element_size() / best
 
 
-def model_bytes() -> tuple[int, int]:
-    """(weight bytes, KV bytes per token over all layers) of the embedded float32 model."""
+def model_bytes(dtype: str) -> tuple[int, int]:
+    """(weight bytes, KV bytes per token over all layers) of the embedded model served in
+    `dtype`."""
+    from safetensors import safe_open
+
     from sglang_magicdec.model import embedded_model_path
 
+    element = DTYPE_BYTES[dtype]
     folder = Path(embedded_model_path())
     config = json.loads((folder / "config.json").read_text())
-    weights = sum(path.stat().st_size for path in folder.glob("*.safetensors"))
+    params = 0
+    for path in folder.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as tensors:
+            params += sum(math.prod(tensors.get_slice(name).get_shape()) for name in tensors.keys())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    kv_per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 4
-    return weights, kv_per_token
+    kv_per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim
+    return params * element, kv_per_token * element
 
 
-def step_cost_table(points: list[dict], bandwidth: float, budget: int, new_tokens: int) -> str:
+def step_cost_table(
+    points: list[dict], bandwidth: float, budget: int, new_tokens: int, dtype: str
+) -> str:
     """Each γ = auto point's measured plain and draft step against the time to read its bytes
     (weights + the KV it reads) at the measured bandwidth, and its whole rounds per γ against a
     plain step (MagicDec's premise: a round costs about one plain step plus γ cheap drafts)."""
-    weights, kv_per_token = model_bytes()
+    weights, kv_per_token = model_bytes(dtype)
     lines = [
         f"Read bandwidth (torch sum over 1 GiB, best of 5): {bandwidth / 1e9:.1f} GB/s; weights "
         f"{weights / 1e6:.0f} MB, KV {kv_per_token / 1e3:.1f} kB per token (all layers).\n",
@@ -246,6 +260,12 @@ def main() -> None:
     parser.add_argument("--skip-acceptance", action="store_true")
     parser.add_argument("--skip-shared-doc", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="float32")
+    parser.add_argument(
+        "--context-length",
+        type=int,
+        help="raise the model's position limit (SmolLM2: 8,192) to measure past it",
+    )
     args = parser.parse_args()
     contexts = args.contexts or ([1024, 4096] if args.quick else [1024, 4096, 8192])
     batches = args.batches or ([1, 8] if args.quick else [1, 4, 8, 16])
@@ -274,11 +294,16 @@ def main() -> None:
     for context in contexts:
         # The pool holds the largest batch at this context, and no more: two servers are alive.
         pool = ["--max-total-tokens", str(max(batches) * (context + 2 * args.new_tokens))]
+        common = ["--dtype", args.dtype, *pool]
+        env = None
+        if args.context_length:
+            common += ["--context-length", str(args.context_length)]
+            env = {"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1"}
         servers: dict[str, ServerProcess] = {}
         try:
             # One AR server per context, measured against each MagicDec mode in turn.
             for name, server_args in (("ar", []), *modes.items()):
-                server = start_server(["--dtype", "float32", *pool, *server_args], log_dir)
+                server = start_server([*common, *server_args], log_dir, env=env)
                 servers[name] = server
                 run_batch(server, prompts[context], 1)  # prefill once, into the radix cache
                 for batch in batches:
@@ -303,13 +328,15 @@ def main() -> None:
     progress.close()
 
     sections = [
-        f"# Benchmark suite (CPU, float32, SmolLM2-135M, γ={args.gamma}, {args.new_tokens} "
-        f"new tokens, greedy, default draft, median of {args.repeats} turns)\n",
+        f"# Benchmark suite (CPU, {args.dtype}, SmolLM2-135M"
+        + (f" with positions raised to {args.context_length}" if args.context_length else "")
+        + f", γ={args.gamma}, {args.new_tokens} new tokens, greedy, default draft, median of "
+        f"{args.repeats} turns)\n",
         "## Throughput: AR vs MagicDec (fixed γ and γ = auto)\n",
         throughput_table(points),
         "\n" + auto_vs_fixed(points),
         "\n## Step costs against this machine's read bandwidth\n",
-        step_cost_table(points, bandwidth, MAGICDEC_BUDGET, args.new_tokens),
+        step_cost_table(points, bandwidth, MAGICDEC_BUDGET, args.new_tokens, args.dtype),
     ]
     series = {
         f"{mode}, context {context}": (

@@ -159,7 +159,8 @@ class CostModel:
         self._recent: tuple[float, float] = (0.0, 0.0)  # decayed (kept, tested), all requests
         self.last: Decision | None = None
         self.decisions: dict[tuple[int, int], Decision] = {}  # the latest per bucket
-        self._settled: dict[tuple[int, int], int] = {}  # the model's latest γ per bucket
+        # The model's latest γ per bucket: calibration and exploration rounds aside.
+        self.settled: dict[tuple[int, int], int] = {}
 
     @staticmethod
     def bucket(batch_size: int, mean_context: float) -> tuple[int, int]:
@@ -221,8 +222,8 @@ class CostModel:
             decision = Decision(missing[0], 1.0, f"calibrating {step}")
         else:
             alphas = [self.alpha(rid) for rid in rids]
-            decision = self.best(self.costs[donor], alphas, self._settled.get(bucket))
-            self._settled[bucket] = decision.gamma
+            decision = self.best(self.costs[donor], alphas, self.settled.get(bucket))
+            self.settled[bucket] = decision.gamma
             if donor != bucket:
                 decision = replace(decision, reason=f"as {bucket_key(donor)}")
             costs.rounds_since_exploring += 1

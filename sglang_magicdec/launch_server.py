@@ -56,6 +56,7 @@ def prepare(argv: list[str]):
 
     from sglang_magicdec.config import config_from_args
     from sglang_magicdec.model import (
+        EMBEDDED_NAME,
         EmbeddedModelError,
         check_tensor_parallel,
         embedded_model_path,
@@ -72,6 +73,9 @@ def prepare(argv: list[str]):
             sglang_argv += ["--model-path", embedded_model_path()]
         except EmbeddedModelError as exc:
             raise LaunchError(str(exc)) from None
+        if args.served_model_name is None:
+            # SGLang names a model by its path: here, a cache folder no client should see.
+            sglang_argv += ["--served-model-name", EMBEDDED_NAME]
     if config is not None:
         if config.gamma not in (None, "auto") and args.speculative_num_steps is None:
             sglang_argv += ["--speculative-num-steps", config.gamma]

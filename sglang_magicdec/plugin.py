@@ -94,8 +94,10 @@ def _request_released(result, cache, req, *args, **kwargs):
 
 
 def _kv_evicted(result, *args, **kwargs):
-    for listener in _radix_cache_listeners:
-        listener.kv_freed()
+    # `_evict` runs whenever the scheduler wants room, mostly freeing nothing.
+    if getattr(result, "num_tokens_evicted", 1):
+        for listener in _radix_cache_listeners:
+            listener.kv_freed()
     return result
 
 

@@ -415,6 +415,7 @@ class MagicDecWorker(BaseSpecWorker):
                     "gamma": decision.gamma,
                     "predicted_speedup": decision.predicted_speedup,
                     "reason": decision.reason,
+                    "model_gamma": self.cost_model.settled.get(bucket),
                     **self.cost_model.costs.get(bucket, StepCosts()).milliseconds(),
                 }
                 for bucket, decision in sorted(self.cost_model.decisions.items())
@@ -445,7 +446,14 @@ class MagicDecWorker(BaseSpecWorker):
     def kv_freed(self) -> None:
         """The radix cache evicted: the draft drops what refers to freed KV."""
         allocator = self.token_to_kv_pool_allocator
-        free = allocator.get_all_free_pages().to(torch.int64).cpu()
+        free = allocator.get_all_free_pages()
+        if free is None:
+            # SGLang calls this census a debug aid that may be unavailable: without it, no
+            # stored summary can be trusted to point at live KV.
+            logger.warning("MagicDec: no free-page census after an eviction; summaries dropped")
+            self.draft.cache_reset()
+            return
+        free = free.to(torch.int64).cpu()
         if allocator.page_size > 1:
             free = free[:, None] * allocator.page_size + torch.arange(allocator.page_size)
             free = free.reshape(-1)

@@ -1,7 +1,4 @@
-"""γ = auto inside the real SGLang server on CPU.
-
-This module sorts first, so its server starts before the session-wide ones: the KV pool is sized
-from the memory free at start-up, and it must hold the whole batch at once."""
+"""γ = auto inside the real SGLang server on CPU."""
 
 from __future__ import annotations
 
@@ -37,4 +34,5 @@ def test_auto_gamma_speculates_at_long_context_and_batch_8(server_factory, token
     # Requests finish at different rounds, so the batch shrinks at the end: read the decision
     # for the full batch, not the last one.
     full_batch = info["gamma_by_bucket"][bucket_key((BATCH, 4096))]
-    assert full_batch["gamma"] >= 1, info
+    # The cost model's own choice: calibration and exploration rounds also run γ >= 1.
+    assert full_batch["model_gamma"] is not None and full_batch["model_gamma"] >= 1, info

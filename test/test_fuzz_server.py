@@ -42,26 +42,28 @@ def long_texts(tokenizer) -> list[list[int]]:
     return [tokenizer(text)["input_ids"][:1200] for text in pg19_texts("4K", count=3)]
 
 
+@pytest.mark.parametrize("server_name", ["plain", "fuzzed"])
 @pytest.mark.parametrize("endpoint", ["/generate", "/generate batch", "/v1/completions"])
-def test_out_of_vocabulary_token_ids_answer_400(plain, endpoint):
-    """Against the server without MAGICDEC; the fuzz covers MAGICDEC."""
+def test_out_of_vocabulary_token_ids_answer_400(plain, fuzzed, server_name, endpoint):
+    """Without MAGICDEC (`plain`) and with it (`fuzzed`)."""
+    server = {"plain": plain, "fuzzed": fuzzed}[server_name]
     bad = [5, 6, 1_000_000_000]
     if endpoint == "/v1/completions":
         response = requests.post(
-            f"{plain.url}/v1/completions",
+            f"{server.url}/v1/completions",
             json={"model": "default", "prompt": bad, "max_tokens": 2},
             timeout=TIMEOUT,
         )
     else:
         ids = [[5, 6, 7], bad] if endpoint.endswith("batch") else bad
         response = requests.post(
-            f"{plain.url}/generate",
+            f"{server.url}/generate",
             json={"input_ids": ids, "sampling_params": {"max_new_tokens": 2}},
             timeout=TIMEOUT,
         )
     assert response.status_code == 400, response.text
     assert "outside the vocabulary" in response.text
-    assert _serves(plain)
+    assert _serves(server)
 
 
 def test_zero_parallel_samples_in_a_batch_answer_400(plain):

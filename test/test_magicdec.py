@@ -7,8 +7,6 @@ every draft selection against the request's live KV slots.
 from __future__ import annotations
 
 import json
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -92,6 +90,12 @@ def test_stop_string_inside_an_accepted_run(spec, plain, long_prompts, tokenizer
     expected = greedy(plain, prompt, 48, ignore_eos=True, stop=[stop])
     assert got["text"] == expected["text"]
     assert got["meta_info"]["finish_reason"]["type"] == "stop"
+    # The stop must cut a round's accepted run, not end one, for this test to mean anything:
+    # the rounds produced (first token from prefill, then each round's accepted drafts and its
+    # bonus token) more than the request kept.
+    meta = got["meta_info"]
+    produced = 1 + meta["spec_verify_ct"] + meta["spec_num_correct_drafts"]
+    assert produced > meta["completion_tokens"], meta
 
 
 def test_batch_mixing_short_and_long_prompts(spec, plain, long_prompts, tokenizer):
@@ -112,27 +116,30 @@ def test_long_generation_rolls_the_window(spec, plain, long_prompts):
 
 
 def test_abort_mid_round_frees_everything(spec, long_prompts):
-    outcome = {}
-
-    def long_request():
-        params = {"max_new_tokens": 4000, "temperature": 0, "ignore_eos": True}
-        payload = {"input_ids": long_prompts[5], "sampling_params": params, "rid": "to-abort"}
-        outcome["result"] = spec.generate(payload)
-
-    worker = threading.Thread(target=long_request)
-    worker.start()
-    time.sleep(4)
-    requests.post(f"{spec.url}/abort_request", json={"rid": "to-abort"}, timeout=30)
-    worker.join(timeout=120)
-    assert not worker.is_alive()
-    meta = outcome["result"]["meta_info"]
-    assert meta["finish_reason"]["type"] == "abort"
-    assert 0 < meta["completion_tokens"] < 4000
-    # The server keeps serving.
+    """Aborted once it has streamed 8 tokens (so mid-decode, speculating): it ends as aborted,
+    the server keeps serving, and once the cache is flushed no KV slot is left allocated."""
+    params = {"max_new_tokens": 4000, "temperature": 0, "ignore_eos": True}
+    payload = {"input_ids": long_prompts[5], "sampling_params": params, "rid": "to-abort",
+               "stream": True}  # fmt: skip
+    last, aborted = None, False
+    with requests.post(f"{spec.url}/generate", json=payload, stream=True, timeout=300) as stream:
+        for line in stream.iter_lines():
+            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                continue
+            last = json.loads(line[len(b"data:") :])
+            if not aborted and last["meta_info"]["completion_tokens"] >= 8:
+                requests.post(f"{spec.url}/abort_request", json={"rid": "to-abort"}, timeout=30)
+                aborted = True
+    meta = last["meta_info"]
+    assert aborted and meta["finish_reason"]["type"] == "abort", meta
+    assert 8 <= meta["completion_tokens"] < 4000
+    assert meta["spec_verify_ct"] > 0  # it was speculating when aborted
     assert (
         greedy(spec, long_prompts[0][:100], 8, ignore_eos=True)["meta_info"]["completion_tokens"]
         == 8
     )
+    load = flush_when_idle(spec)
+    assert load["num_used_tokens"] == 0, load
 
 
 def test_kv_pool_back_to_idle(spec, long_prompts):
@@ -162,6 +169,10 @@ def test_logprobs_match_autoregressive(spec, plain, long_prompts, temperature):
     got = spec.generate(payload)
     logprobs = got["meta_info"]["output_token_logprobs"]
     assert len(logprobs) == 12
+    # Greedy speculates; sampling with logprobs keeps SGLang's sampler: plain steps, each
+    # reported as a round that accepted no draft.
+    meta = got["meta_info"]
+    assert (meta["spec_num_correct_drafts"] > 0) == (temperature == 0.0), meta
     assert [token for _, token, _ in logprobs] == got["output_ids"]
     if temperature == 0.0:
         assert got["output_ids"] == plain.generate(payload)["output_ids"]

@@ -4,6 +4,7 @@ import openai
 import pytest
 import requests
 
+from sglang_magicdec.model import EMBEDDED_NAME
 from sglang_magicdec.platforms import ATTENTION_BACKEND
 from test.helpers import ON_CPU_MACHINE
 
@@ -25,13 +26,20 @@ def test_cpu_defaults_need_no_flags(server):
 
 def test_openai_chat_answers_a_factual_question(server):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    (model,) = client.models.list().data  # as a client discovers what it talks to
     reply = client.chat.completions.create(
-        model="default",
+        model=model.id,
         messages=[{"role": "user", "content": "What is the capital of France?"}],
         temperature=0,
         max_tokens=32,
     )
     assert "Paris" in reply.choices[0].message.content
+    assert reply.model == EMBEDDED_NAME
+
+
+def test_models_endpoint_names_the_embedded_model_not_its_cache_path(server):
+    models = requests.get(f"{server.url}/v1/models", timeout=10).json()
+    assert [model["id"] for model in models["data"]] == [EMBEDDED_NAME]
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 17, 64])
@@ -63,4 +71,5 @@ def test_frontend_program_runs_against_runtime_endpoint(server):
 
     state = capital_then_country.run(city="Paris", backend=sgl.RuntimeEndpoint(server.url))
     assert "France" in state["country"]
-    assert state["again"].strip(), "the second gen of the program produced nothing"
+    # The second gen sees the first one's answer in its context: it must repeat it.
+    assert "France" in state["again"], state.text()
