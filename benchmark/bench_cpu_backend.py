@@ -14,13 +14,14 @@ request measures decode. Servers run one at a time; the machine has two cores.
 attention shape: per layer, the time to read the KV at the bandwidth measured in the same run,
 the torch path (`magicdec_cpu_torch`) and the native kernel (`magicdec_cpu`), for 1, 4 and 8
 query tokens (decode, verify at γ = 3 and 7) and the SnapKV draft (512 keys per KV head), in
-fp32 and bf16; and a decode step's linear layers as `F.linear` against the weight-major product
-(`platforms/torch_ops.py`).
+fp32 and bf16; and the linear layers of a step (batch rows: decode or draft; 4 × batch: a γ = 3
+verify), fp32 and bf16, as `F.linear` against the weight-major product (`platforms/torch_ops.py`).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import tempfile
 import time
@@ -155,15 +156,22 @@ def kernel_timings(batch: int = 8, context: int = 8000, layers: int = 8) -> None
         _kernel_row(dtype, f"draft {budget}", floor, pools, torch_draft, native_draft)
     full_layers = 30
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
-    weights = [torch.randn(*shape) for shape in shapes for _ in range(full_layers)]
-    inputs = {576: torch.randn(batch, 576), 1536: torch.randn(batch, 1536)}
-    linear_ms = _best_ms(lambda: [F.linear(inputs[w.shape[1]], w) for w in weights])
-    major_ms = _best_ms(lambda: [weight_major_product(inputs[w.shape[1]], w) for w in weights])
-    weight_ms = sum(w.numel() * 4 for w in weights) / bandwidth * 1000
-    print(
-        f"linear layers of {full_layers}, {batch} rows: F.linear {linear_ms:.1f} ms, "
-        f"weight-major {major_ms:.1f} ms ({weight_ms:.1f} ms to read the weights)"
-    )
+    def all_layers(product, inputs, weights):
+        return [product(inputs[w.shape[1]], w) for w in weights]
+
+    for dtype in (torch.float32, torch.bfloat16):
+        weights = [torch.randn(*shape).to(dtype) for shape in shapes for _ in range(full_layers)]
+        weight_ms = sum(w.numel() * w.element_size() for w in weights) / bandwidth * 1000
+        for row_count in (batch, 4 * batch):  # a decode or draft step; a γ = 3 verify
+            inputs = {k: torch.randn(row_count, k).to(dtype) for k in (576, 1536)}
+            step = functools.partial(all_layers, inputs=inputs, weights=weights)
+            linear_ms = _best_ms(functools.partial(step, F.linear))
+            major_ms = _best_ms(functools.partial(step, weight_major_product))
+            print(
+                f"{str(dtype).removeprefix('torch.')} linear layers of {full_layers}, "
+                f"{row_count} rows: F.linear {linear_ms:.1f} ms, weight-major {major_ms:.1f} ms "
+                f"({weight_ms:.1f} ms to read the weights)"
+            )
 
 
 def _kernel_row(dtype, case: str, floor_s: float, pools, torch_layer, native_layer) -> None:
