@@ -85,7 +85,7 @@ def kernel_timings(batch: int = 8, context: int = 8000, layers: int = 8) -> None
     step's linear layers, each beside the time its bytes take at the bandwidth measured here."""
     import torch.nn.functional as F
 
-    from magicdec_kernels.cpu_native import native, slot_attention_native
+    from magicdec_kernels.cpu_native import few_rows_linear_native, native, slot_attention_native
     from magicdec_kernels.index_attention import index_attention_torch, plan_requests
     from magicdec_kernels.sparse_decode import sparse_decode_torch
     from sglang_magicdec.platforms.torch_ops import weight_major_product
@@ -156,6 +156,7 @@ def kernel_timings(batch: int = 8, context: int = 8000, layers: int = 8) -> None
         _kernel_row(dtype, f"draft {budget}", floor, pools, torch_draft, native_draft)
     full_layers = 30
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
+
     def all_layers(product, inputs, weights):
         return [product(inputs[w.shape[1]], w) for w in weights]
 
@@ -167,10 +168,13 @@ def kernel_timings(batch: int = 8, context: int = 8000, layers: int = 8) -> None
             step = functools.partial(all_layers, inputs=inputs, weights=weights)
             linear_ms = _best_ms(functools.partial(step, F.linear))
             major_ms = _best_ms(functools.partial(step, weight_major_product))
+            native_ms = float("nan")
+            if native() is not None:
+                native_ms = _best_ms(functools.partial(step, few_rows_linear_native))
             print(
                 f"{str(dtype).removeprefix('torch.')} linear layers of {full_layers}, "
-                f"{row_count} rows: F.linear {linear_ms:.1f} ms, weight-major {major_ms:.1f} ms "
-                f"({weight_ms:.1f} ms to read the weights)"
+                f"{row_count} rows: F.linear {linear_ms:.1f} ms, weight-major {major_ms:.1f} ms, "
+                f"native {native_ms:.1f} ms ({weight_ms:.1f} ms to read the weights)"
             )
 
 

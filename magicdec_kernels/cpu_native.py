@@ -1,4 +1,7 @@
-"""Native CPU attention over lists of KV-pool slots (C++ in csrc/slot_attention.cpp).
+"""MagicDec's native CPU kernels (C++ in csrc/): attention over lists of KV-pool slots, and
+products of a few rows with a weight matrix (`few_rows_linear`, below).
+
+Slot attention (csrc/slot_attention.cpp).
 
 One entry point serves plain decode, target verification and the sparse draft: request b's query
 rows attend over the pool slots its list names, per KV head or shared by all heads. At long
@@ -45,8 +48,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 BUILD_DIR = Path(__file__).parent / "_native"
-SOURCE = Path(__file__).parent / "csrc" / "slot_attention.cpp"
-EXTENSION_NAME = "magicdec_slot_attention"
+SOURCES = [
+    Path(__file__).parent / "csrc" / name
+    for name in ("module.cpp", "slot_attention.cpp", "few_rows_linear.cpp")
+]
+EXTENSION_NAME = "magicdec_cpu_kernels"
 
 
 def build(verbose: bool = False) -> ModuleType:
@@ -58,7 +64,7 @@ def build(verbose: bool = False) -> ModuleType:
     openmp = ["-fopenmp"] if torch.backends.openmp.is_available() else []
     return cpp_extension.load(
         name=EXTENSION_NAME,
-        sources=[str(SOURCE.resolve())],
+        sources=[str(source.resolve()) for source in SOURCES],
         build_directory=str(BUILD_DIR),
         # No -march=native: the source picks AVX-512 / AVX2 per function at run time.
         extra_cflags=["-O3", *openmp],
@@ -87,10 +93,10 @@ def native() -> ModuleType | None:
     try:
         module = build()
     except Exception as error:  # a missing compiler, headers, a read-only tree...
-        logger.warning("native slot attention unavailable (build failed: %s)", _reason(error))
+        logger.warning("native CPU kernels unavailable (build failed: %s)", _reason(error))
         return None
     if module.best_isa() == "scalar":
-        logger.warning("native slot attention unavailable (this CPU has neither AVX2 nor AVX-512)")
+        logger.warning("native CPU kernels unavailable (this CPU has neither AVX2 nor AVX-512)")
         return None
     return module
 
@@ -199,6 +205,57 @@ def slot_attention(
     if supports_native(q, k_cache, v_cache) and native() is not None:
         return slot_attention_native(q, k_cache, v_cache, q_indptr, head_slots, kv_lens, scale, out)
     return slot_attention_torch(q, k_cache, v_cache, q_indptr, head_slots, kv_lens, scale, out)
+
+
+# Rows up to which the native few-row product beats torch's on this machine
+# (`benchmark/bench_cpu_backend.py --kernels`). Float32 stays about at the weight's bytes floor to
+# 8 rows and at the FMA rate past that; bf16's `vdpbf16ps` is compute-bound past ~8 rows, where
+# oneDNN's bf16 path (AMX where the CPU has it) is faster.
+FEW_ROWS_MAX = {torch.float32: 64, torch.bfloat16: 8}
+
+
+def few_rows_linear_native(
+    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x·weightᵀ by the native kernel (raises if `native()` is None): x [M, K] contiguous,
+    weight [N, K] with contiguous rows, both float32 or both bfloat16; out [M, N], x's dtype.
+
+    Each output is one float32 dot product in a fixed order whatever M is, so a row's result does
+    not depend on the rows sharing the call; bf16 results are rounded once, to nearest even."""
+    module = native()
+    if module is None:
+        raise RuntimeError("the native CPU kernel extension is not available")
+    if out is None:
+        out = x.new_empty(x.shape[0], weight.shape[0])
+    return module.few_rows_linear(x, weight, out)
+
+
+def few_rows_linear_torch(
+    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The same product in torch (the reference path)."""
+    return torch.mm(x, weight.t(), out=out)
+
+
+def supports_few_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `few_rows_linear` takes the native kernel for these tensors."""
+    return (
+        not x.is_cuda
+        and x.dim() == 2
+        and weight.dim() == 2
+        and 0 < x.shape[0] <= FEW_ROWS_MAX.get(x.dtype, 0)
+        and weight.dtype == x.dtype
+        and weight.layout == torch.strided
+        and weight.stride(-1) == 1
+        and x.is_contiguous()
+    )
+
+
+def few_rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """`few_rows_linear_native` where it is loaded and takes these tensors, else None."""
+    if supports_few_rows(x, weight) and native() is not None:
+        return few_rows_linear_native(x, weight)
+    return None
 
 
 def _main(argv: list[str]) -> int:

@@ -22,7 +22,7 @@ from magicdec_kernels.cpu_native import (
 
 pytestmark = pytest.mark.skipif(
     native() is None,
-    reason="the native slot attention extension did not build or load (see the logged warning)",
+    reason="the native CPU kernel extension did not build or load (see the logged warning)",
 )
 
 
@@ -291,5 +291,5 @@ def test_build_failure_is_one_warning(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger=cpu_native.__name__):
         assert cpu_native.native.__wrapped__() is None
     assert [record.getMessage() for record in caplog.records] == [
-        "native slot attention unavailable (build failed: x.cpp:1:1: error: no compiler)"
+        "native CPU kernels unavailable (build failed: x.cpp:1:1: error: no compiler)"
     ]

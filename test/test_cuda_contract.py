@@ -120,9 +120,7 @@ def test_draft_step_metadata_reads_only_the_spec_input():
     dense = _RecordingFa3(width=4)
     backend = _wrapper(dense)
     head_slots = torch.zeros(1, 2, 1, 5, dtype=torch.int64)
-    spec = MagicDecInput(
-        draft_token_num=1, head_slots=head_slots, kv_lens=torch.tensor([3, 5])
-    )
+    spec = MagicDecInput(draft_token_num=1, head_slots=head_slots, kv_lens=torch.tensor([3, 5]))
     backend.init_forward_metadata(SimpleNamespace(forward_mode=ForwardMode.DECODE, spec_info=spec))
     assert dense.seen_widths == []
     assert backend.draft is not None and backend.draft.head_slots is head_slots

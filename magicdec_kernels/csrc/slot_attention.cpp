@@ -43,9 +43,9 @@
 #include <string>
 #include <vector>
 
-#if defined(__x86_64__) || defined(__i386__)
+#include "cpu_isa.h"
+#ifdef MAGICDEC_X86
 #include <immintrin.h>
-#define SLOT_ATTENTION_X86 1
 #endif
 
 namespace {
@@ -119,7 +119,7 @@ using AttendFn = bool (*)(const Pool&, const int64_t* list, int64_t list_stride,
 // Instruction sets. Each defines Ops: W floats per vector and the handful of operations the
 // kernel body uses, then compiles the body under the same target.
 
-#ifdef SLOT_ATTENTION_X86
+#ifdef MAGICDEC_X86
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
@@ -300,7 +300,7 @@ struct Ops {
 }  // namespace slot_avx2
 #pragma GCC pop_options
 
-#endif  // SLOT_ATTENTION_X86
+#endif  // MAGICDEC_X86
 
 namespace slot_scalar {
 namespace {
@@ -387,7 +387,8 @@ struct Ops {
 }  // namespace slot_scalar
 
 // ---------------------------------------------------------------------------------------------
-// Planning, threads, merging and the Python binding (instruction-set independent).
+// Planning, threads, merging and the entry point (instruction-set independent; the Python
+// binding is in module.cpp).
 
 namespace {
 
@@ -399,27 +400,17 @@ struct Isa {
 
 std::vector<Isa> supported_isas() {
   std::vector<Isa> isas;
-#ifdef SLOT_ATTENTION_X86
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
+#ifdef MAGICDEC_X86
+  if (magicdec::cpu_has_avx512()) {
     isas.push_back({"avx512", &slot_avx512::attend<float>, &slot_avx512::attend<bf16_bits>});
   }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+  if (magicdec::cpu_has_avx2()) {
     isas.push_back({"avx2", &slot_avx2::attend<float>, &slot_avx2::attend<bf16_bits>});
   }
 #endif
   isas.push_back({"scalar", &slot_scalar::attend<float>, &slot_scalar::attend<bf16_bits>});
   return isas;
 }
-
-std::vector<std::string> isa_names() {
-  std::vector<std::string> names;
-  for (const Isa& isa : supported_isas()) names.emplace_back(isa.name);
-  return names;
-}
-
-std::string best_isa() { return supported_isas().front().name; }
 
 // A piece of work: rows [row_begin, row_end) (row = token * group + head in group) of request b,
 // KV head h, over keys [key_begin, key_end) of its list.
@@ -590,6 +581,18 @@ void run_all(const torch::Tensor& q, const Pool& pool, const torch::Tensor& head
   }
 }
 
+}  // namespace
+
+namespace magicdec {
+
+std::string best_isa() { return supported_isas().front().name; }
+
+std::vector<std::string> isa_names() {
+  std::vector<std::string> names;
+  for (const Isa& isa : supported_isas()) names.emplace_back(isa.name);
+  return names;
+}
+
 torch::Tensor slot_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                              const torch::Tensor& v_cache, const torch::Tensor& q_indptr,
                              const torch::Tensor& head_slots, const torch::Tensor& kv_lens,
@@ -674,18 +677,7 @@ torch::Tensor slot_attention(const torch::Tensor& q, const torch::Tensor& k_cach
   return out;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "Attention over per-request (and per-KV-head) lists of KV-pool slots, on CPU.";
-  m.def("slot_attention", &slot_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
-        py::arg("q_indptr"), py::arg("head_slots"), py::arg("kv_lens"), py::arg("scale"),
-        py::arg("out"), py::arg("isa") = "auto", py::call_guard<py::gil_scoped_release>(),
-        "Writes softmax(q k^T scale + causal) v into out and returns it; isa: 'auto', "
-        "'avx512', 'avx2' or 'scalar'.");
-  m.def("best_isa", &best_isa, "The instruction set 'auto' picks on this CPU.");
-  m.def("isas", &isa_names, "The instruction sets this CPU can run, widest first.");
-}
+}  // namespace magicdec
 
 #else  // SLOT_ATTENTION_BODY
 // ---------------------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from magicdec_kernels import cpu_native
+
 
 def assign_req_to_token_pool(
     req_pool_indices: torch.Tensor,
@@ -32,30 +34,40 @@ def assign_req_to_token_pool(
         cursor += length
 
 
-# Rows (tokens) up to which a product with a weight matrix is computed as W·xᵀ: decode, draft
+# Rows (tokens) up to which a product with a weight matrix takes a few-row path: decode, draft
 # and verify steps.
 MAX_WEIGHT_MAJOR_ROWS = 64
 
 
-def weight_major_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """x·Wᵀ as (W·xᵀ)ᵀ for a few rows of x, or None where SGLang's own path should run.
+def few_rows_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """x·Wᵀ for a few rows of x, or None where SGLang's own path should run.
 
-    With a handful of rows a decode step's weight products are bound by reading W; `F.linear`
-    and `x @ W.T` on this CPU (MKL) run such shapes on one core, while the weight-major product
-    splits W's rows over both (`benchmark/bench_cpu_backend.py` measures the two)."""
+    With a handful of rows a decode step's weight products are bound by reading W. The native
+    kernel (`cpu_native.few_rows_linear`) reads it about at the bytes floor on both cores; where
+    it is not loaded or not faster (bf16 past a few rows), the weight-major torch product runs:
+    `F.linear` and `x @ W.T` on this CPU (MKL) run such shapes on one core, while W·xᵀ splits W's
+    rows over both (`benchmark/bench_cpu_backend.py --kernels` measures all three)."""
     rows = x.numel() // x.shape[-1] if x.dim() else 0
     if x.is_cuda or not 0 < rows <= MAX_WEIGHT_MAJOR_ROWS or weight.dim() != 2:
         return None
     if weight.dtype != x.dtype or weight.layout != torch.strided or weight.is_quantized:
         return None
-    # Row-major result (a copy of a few rows): the ops that follow expect contiguous rows.
-    product = torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t().contiguous()
+    flat = x.reshape(rows, x.shape[-1]).contiguous()
+    product = cpu_native.few_rows_linear(flat, weight)
+    if product is None:
+        product = weight_major_product(flat, weight)
     return product.view(*x.shape[:-1], weight.shape[0])
 
 
+def weight_major_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K]·Wᵀ as (W·xᵀ)ᵀ, row-major (a copy of a few rows: the ops that follow expect
+    contiguous rows)."""
+    return torch.mm(weight, x.t()).t().contiguous()
+
+
 def decode_sized_linear(original, method, layer, x: torch.Tensor, bias=None) -> torch.Tensor:
-    """`UnquantizedLinearMethod.apply` with the weight-major product for decode-sized inputs."""
-    product = weight_major_product(x, layer.weight)
+    """`UnquantizedLinearMethod.apply` with the few-row product for decode-sized inputs."""
+    product = few_rows_product(x, layer.weight)
     if product is None:
         return original(method, layer, x, bias)
     return product if bias is None else product + bias
@@ -64,7 +76,7 @@ def decode_sized_linear(original, method, layer, x: torch.Tensor, bias=None) -> 
 def decode_sized_lm_head(
     original, processor, hidden_states, lm_head, embedding_bias=None, **kwargs
 ) -> torch.Tensor:
-    """`LogitsProcessor._compute_lm_head` with the weight-major product, where SGLang would take
+    """`LogitsProcessor._compute_lm_head` with the few-row product, where SGLang would take
     its plain branch (`hidden_states @ lm_head.weight.T`: no LoRA, no quantised or fp32 head)."""
     from sglang.srt.layers.logits_processor import should_apply_lm_head_quant_method
 
@@ -75,7 +87,7 @@ def decode_sized_lm_head(
         and not processor.use_fp32_lm_head
         and getattr(processor, "rl_on_policy_target", None) is None
     )
-    product = weight_major_product(hidden_states, lm_head.weight) if plain else None
+    product = few_rows_product(hidden_states, lm_head.weight) if plain else None
     if product is None:
         return original(processor, hidden_states, lm_head, embedding_bias, **kwargs)
     return product
