@@ -12,12 +12,13 @@ from sglang_magicdec.platforms import ATTENTION_BACKEND, CPU_ATTENTION_BACKENDS
 def load() -> None:
     """Register MAGICDEC, our attention backends (the CPU ones; the wrapper SGLang's fa3,
     flashinfer and triton backends get while MAGICDEC runs), the request checks SGLang lacks
-    (`validation`) and, on our CPU platform, the CPU defaults."""
+    (`validation`), our Prometheus metrics (`metrics`) and, on our CPU platform, the CPU
+    defaults."""
     from sglang.srt.arg_groups.choices import add_attention_backend_choices
     from sglang.srt.layers.attention.attention_registry import register_attention_backend
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_magicdec import spec_algo, validation
+    from sglang_magicdec import metrics, spec_algo, validation
     from sglang_magicdec.attention import create_backend
     from sglang_magicdec.gpu_attention import wrap_dense_backends
     from sglang_magicdec.platforms import is_active
@@ -28,6 +29,7 @@ def load() -> None:
     wrap_dense_backends()
     spec_algo.register()
     validation.register()
+    metrics.register()
     HookRegistry.register(INTERNAL_STATE_SPECULATIVE, add_server_info, HookType.AFTER)
     for method, hook in RADIX_CACHE_HOOKS.items():
         HookRegistry.register(f"{RADIX_CACHE}.{method}", hook, HookType.AFTER)

@@ -111,6 +111,7 @@ def validate_server_args(server_args) -> None:
         raise ValueError(f"{ALGORITHM} does not run with attention DP; use --dp or --tp")
     if server_args.pp_size > 1:
         raise ValueError(f"{ALGORITHM} does not run with pipeline parallelism (--pp-size > 1)")
+    _check_prefix_cache(server_args)
     from sglang_magicdec.model import check_attention_features
 
     check_attention_features(server_args.model_path, ALGORITHM, server_args.trust_remote_code)
@@ -120,6 +121,24 @@ def validate_server_args(server_args) -> None:
     from sglang_magicdec.platforms import is_active
 
     check_attention_backends(attention_backends_of(server_args), cpu_platform=is_active())
+
+
+def _check_prefix_cache(server_args) -> None:
+    """MAGICDEC follows SGLang's `UnifiedRadixCache` (the hooks in `plugin.RADIX_CACHE_HOOKS`:
+    releases, evictions, flushes) to drop per-request state and SnapKV summaries that point at
+    freed KV. These flags make SGLang build another prefix cache, whose own `on_release`/`reset`
+    (LMCache) or whole class (FlexKV, a registered backend) those hooks would not see."""
+    flags = {
+        "--enable-lmcache": server_args.enable_lmcache,
+        "--enable-flexkv": server_args.enable_flexkv,
+        f"--radix-cache-backend {server_args.radix_cache_backend}": server_args.radix_cache_backend,
+    }
+    chosen = [flag for flag, on in flags.items() if on]
+    if chosen:
+        raise ValueError(
+            f"{ALGORITHM} follows SGLang's UnifiedRadixCache; {chosen[0]} selects another "
+            "prefix cache, whose releases and evictions it would not see"
+        )
 
 
 def worker_class(server_args):

@@ -37,6 +37,7 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang_magicdec.config import MagicDecConfig
 from sglang_magicdec.cost_model import CostModel, StepCosts, bucket_key
 from sglang_magicdec.drafts import make_selection
+from sglang_magicdec.metrics import MagicDecMetrics
 from sglang_magicdec.plugin import subscribe_to_radix_cache
 from sglang_magicdec.sampling import (
     chain_rejection_sample,
@@ -124,6 +125,8 @@ class MagicDecWorker(BaseSpecWorker):
         self.draft = make_selection(self.config, self.model_runner.model)
         self.stats = AcceptanceStats()
         self.cost_model = CostModel(gamma_max=self.gamma) if self.config.gamma == "auto" else None
+        self.latest_gamma = 0  # of the latest decode batch (0: decoded without drafts)
+        self.metrics: MagicDecMetrics | None = None  # created at the first publish
         # Tensor-parallel ranks must run the same round. Data every rank shares decides it
         # (the batch, the accepted tokens, the store's events), except what each rank times or
         # draws: γ = auto is decided on the first rank and broadcast, and unseeded uniforms come
@@ -155,6 +158,23 @@ class MagicDecWorker(BaseSpecWorker):
     def draft_worker(self) -> None:
         return None  # the draft is the target model itself
 
+    # SGLang's `sglang:spec_num_steps` / `spec_num_draft_tokens` gauges read these: the γ that
+    # is active, which under γ = auto changes from batch to batch.
+    @property
+    def speculative_num_steps(self) -> int:
+        return self.latest_gamma
+
+    @property
+    def speculative_num_draft_tokens(self) -> int:
+        return self.latest_gamma + 1 if self.latest_gamma else 0
+
+    def publish_metrics(self, labels: dict[str, str]) -> None:
+        """After a decode batch, with `--enable-metrics` (`metrics.publish_after_decode`)."""
+        if self.metrics is None:
+            self.metrics = MagicDecMetrics(labels)
+        counts = {"verify_rounds": self.stats.request_rounds, **self.draft.info()}
+        self.metrics.publish(counts, self.latest_gamma)
+
     def alloc_memory_pool(self, **kwargs) -> None:
         self.req_to_token_pool, self.token_to_kv_pool_allocator = (
             self._target_worker.get_memory_pool()
@@ -166,6 +186,7 @@ class MagicDecWorker(BaseSpecWorker):
         if not batch.forward_mode.is_decode():
             return self._extend(batch, on_publish, pp_proxy_tensors)
         gamma = self._choose_gamma(batch) if self._can_speculate(batch) else 0
+        self.latest_gamma = gamma
         if gamma == 0:
             return self._plain_decode(batch, on_publish)
         return self._speculate(batch, on_publish, gamma)

@@ -2,10 +2,11 @@
 
 Valid and invalid sampling parameters, stop strings and token ids, logprobs, n > 1, regex and
 JSON-schema constraints, long (summarised) and short prompts, batches, the OpenAI endpoints,
-malformed bodies, streams and streams dropped mid-way, a few concurrently. Every answer must be
-200 or a 4xx with a message; after every refusal the server answers a plain request; at the end
-the KV pool is idle and no SnapKV summary is held. The out-of-vocabulary prompt that used to kill
-the scheduler is among them, and also checked on its own, with and without MAGICDEC.
+malformed bodies, streams and streams dropped mid-way, a few concurrently. Each request with an
+invalid parameter, prompt or body must be refused (a 4xx with a message, or a stream's error
+event) and each valid one answered 200; after every refusal the server answers a plain request;
+at the end the KV pool is idle and no SnapKV summary is held. The out-of-vocabulary prompt that
+used to kill the scheduler is among them, and also checked on its own, with and without MAGICDEC.
 """
 
 from __future__ import annotations
@@ -88,15 +89,19 @@ def test_fuzzed_requests_never_take_the_server_down(fuzzed, long_texts):
 
     with ThreadPoolExecutor(CONCURRENCY) as pool:
         outcomes = list(pool.map(send_then_check, cases))
-    refused = 0
+    refused, unexpected = 0, []
     for case, (status, body, serves_after) in zip(cases, outcomes, strict=True):
         label = f"{case['label']}: {status} {body[:300]}"
         assert status == 200 or 400 <= status < 500, label
-        if status != 200:
+        was_refused = status != 200 or _refused_in_stream(body)
+        if was_refused != case["refuse"]:
+            unexpected.append(f"expected refusal {case['refuse']}: {label}")
+        if was_refused:
             refused += 1
             assert body.strip(), label  # a message, not an empty refusal
             assert "Traceback" not in body, label
             assert serves_after, f"no plain answer after {label}"
+    assert not unexpected, "\n".join(unexpected)
     assert 0 < refused < REQUESTS, refused  # the mix has both kinds
     print(f"{REQUESTS} requests, {refused} refused with a 4xx")
     _assert_idle(fuzzed)
@@ -121,10 +126,28 @@ def _assert_idle(server) -> None:
 # -- the request mix ------------------------------------------------------------------------------
 
 
-def _sampling(rng: random.Random) -> tuple[dict, bool]:
-    """Sampling parameters, and whether any is invalid."""
+def _refused_in_stream(body: str) -> bool:
+    """A stream answers 200 before SGLang has checked the request: a refusal then comes as an
+    error event, or as an aborted finish (a grammar that does not compile)."""
+    for line in body.splitlines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        try:
+            event = json.loads(line.removeprefix("data: "))
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(event, dict):
+            continue
+        finish = (event.get("meta_info") or {}).get("finish_reason") or {}
+        if "error" in event or finish.get("type") == "abort":
+            return True
+    return False
+
+
+def _sampling(rng: random.Random) -> tuple[dict, set[str]]:
+    """Sampling parameters, and the names of those given an invalid value."""
     params: dict = {"max_new_tokens": rng.randint(1, 8)}
-    invalid = False
+    invalid: set[str] = set()
     choices = {
         "temperature": ([0, 0.7, 1.3], [-1, "hot"]),
         "top_p": ([0.5, 1.0], [0, 2]),
@@ -134,22 +157,25 @@ def _sampling(rng: random.Random) -> tuple[dict, bool]:
         "n": ([1, 2], [0]),
         "frequency_penalty": ([0.5], [5.0]),
         "repetition_penalty": ([1.1], [-1.0]),
-        "stop": ([["the"], ["\n", "."]], [[""]]),
-        "stop_token_ids": ([[13, 30]], [[VOCAB * 100]]),
+        # SGLang accepts an empty stop string (it matches at once) and a stop id outside the
+        # vocabulary (it never matches): odd, but valid requests.
+        "stop": ([["the"], ["\n", "."], [""]], []),
+        "stop_token_ids": ([[13, 30], [VOCAB * 100]], []),
         "regex": (["[0-9]{1,3}"], ["(unclosed"]),
         "json_schema": ([json.dumps({"type": "object"})], ["{not json"]),
-        "ignore_eos": ([True], [None]),
+        "ignore_eos": ([True, None], []),  # null: the default
         "logit_bias": ([{"13": 1.0}], [{str(VOCAB * 10): 1.0}]),
     }
     for name in rng.sample(sorted(choices), rng.randint(0, 4)):
         good, bad = choices[name]
-        if rng.random() < 0.3:
+        if bad and rng.random() < 0.3:
             params[name] = rng.choice(bad)
-            invalid = True
+            invalid.add(name)
         else:
             params[name] = rng.choice(good)
     if "regex" in params and "json_schema" in params:
         del params["json_schema"]  # one constraint at a time, or it is refused for that
+        invalid.discard("json_schema")
     return params, invalid
 
 
@@ -173,11 +199,15 @@ def _case(rng: random.Random, long_texts) -> dict:
         ["generate", "stream", "dropped stream", "batch", "completions", "chat", "malformed"],
         weights=[6, 2, 2, 1, 2, 1, 1],
     )[0]
-    sampling, _ = _sampling(rng)
+    sampling, invalid = _sampling(rng)
     prompt, kind = _prompt(rng, long_texts)
-    label = f"{shape}/{kind}/{sorted(sampling)}"
+    bad_prompt = kind in ("bad ids", "empty")
+    # The OpenAI shapes carry only these two of the sampling parameters.
+    openai_invalid = bool(invalid & {"max_new_tokens", "temperature"})
+    label = f"{shape}/{kind}/{sorted(sampling)} invalid {sorted(invalid)}"
     if shape == "malformed":
-        return {"label": label, "path": "/generate", "raw": rng.choice(["{", "[]", '{"text": 5}'])}
+        raw = rng.choice(["{", "[]", '{"text": 5}'])
+        return {"label": label, "path": "/generate", "raw": raw, "refuse": True}
     if shape == "completions":
         body = {
             "model": "default",
@@ -186,7 +216,8 @@ def _case(rng: random.Random, long_texts) -> dict:
             "temperature": sampling.get("temperature", 0),
             "logprobs": rng.choice([None, 2]),
         }
-        return {"label": label, "path": "/v1/completions", "json": body}
+        refuse = bad_prompt or openai_invalid
+        return {"label": label, "path": "/v1/completions", "json": body, "refuse": refuse}
     if shape == "chat":
         role = rng.choice(["user", "user", "wizard"])
         body = {
@@ -195,18 +226,22 @@ def _case(rng: random.Random, long_texts) -> dict:
             "max_tokens": sampling.get("max_new_tokens", 4),
             "temperature": sampling.get("temperature", 0),
         }
-        return {"label": label, "path": "/v1/chat/completions", "json": body}
+        refuse = role == "wizard" or openai_invalid
+        return {"label": label, "path": "/v1/chat/completions", "json": body, "refuse": refuse}
     body = {**prompt, "sampling_params": sampling}
     if rng.random() < 0.3:
         body.update(return_logprob=True, top_logprobs_num=rng.choice([0, 2]))
+    refuse = bad_prompt or bool(invalid)
     if shape == "batch":
         body = {
             "input_ids": [prompt.get("input_ids") or [5, 6, 7], [11, 12, 13]],
             "sampling_params": sampling,
         }
+        refuse = kind == "bad ids" or bool(invalid)  # an empty or text prompt became ids
     if shape in ("stream", "dropped stream"):
         body["stream"] = True
-    return {"label": label, "path": "/generate", "json": body, "drop": shape == "dropped stream"}
+    drop = shape == "dropped stream"
+    return {"label": label, "path": "/generate", "json": body, "drop": drop, "refuse": refuse}
 
 
 def _send(url: str, case: dict) -> tuple[int, str]:
@@ -219,6 +254,6 @@ def _send(url: str, case: dict) -> tuple[int, str]:
     stream = case["json"].get("stream", False)
     with requests.post(target, json=case["json"], stream=stream, timeout=TIMEOUT) as response:
         if case.get("drop") and response.status_code == 200:
-            next(response.iter_lines(), None)  # the first chunk, then hang up
-            return 200, "dropped"
+            first = next(response.iter_lines(), b"")  # the first chunk, then hang up
+            return 200, first.decode(errors="replace")
         return response.status_code, response.text

@@ -1,9 +1,16 @@
-"""Launcher errors are one line on stderr with exit code 2, never a traceback; --help shows ours."""
+"""Launcher errors are one line on stderr with exit code 2, never a traceback; --help shows ours.
 
+The launcher's command line is checked in a process of its own; the many refusals that only
+validate arguments run `launch_server.prepare` (what a launch runs before it starts anything) in
+this process, one case after another, without a process start each.
+"""
+
+import os
 import subprocess
 
 import pytest
 
+from sglang_magicdec.launch_server import LaunchError, prepare
 from sglang_magicdec.server_process import LAUNCH
 from test.helpers import REPO
 
@@ -66,9 +73,45 @@ def test_help_shows_magicdec_group():
             "attention DP",
         ),
         (["--speculative-algorithm", "MAGICDEC", "--pp-size", "2"], "pipeline parallelism"),
+        (
+            ["--speculative-algorithm", "MAGICDEC", "--enable-lmcache"],
+            "MAGICDEC follows SGLang's UnifiedRadixCache; --enable-lmcache selects another",
+        ),
+        (
+            ["--speculative-algorithm", "MAGICDEC", "--enable-flexkv"],
+            "--enable-flexkv selects another prefix cache",
+        ),
     ],
 )
-def test_bad_flag_is_one_line_error(args, reason):
+def test_bad_flag_is_one_line_error(args, reason, launch_checks):
+    with pytest.raises(LaunchError) as refused:
+        launch_checks(args)
+    message = str(refused.value)
+    assert reason in message
+    assert "\n" not in message
+
+
+@pytest.fixture
+def launch_checks():
+    """`prepare` with our plugins loaded, as `main` runs it; the environment it writes (the
+    MagicDec config for a server's worker) is put back afterwards."""
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    saved = dict(os.environ)
+    yield prepare
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.mark.parametrize(
+    "args,reason",
+    [
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (["--speculative-algorithm", "MAGICDEC", "--pp-size", "2"], "pipeline parallelism"),
+    ],
+)
+def test_the_command_line_prints_one_line_and_exits_2(args, reason):
     result = _launch(*args)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
@@ -78,7 +121,7 @@ def test_bad_flag_is_one_line_error(args, reason):
     assert reason in error
 
 
-def test_model_with_sliding_window_attention_is_one_line_error(tmp_path):
+def test_model_with_sliding_window_attention_is_one_line_error(tmp_path, launch_checks):
     """The embedded model's files, declared a Mistral with a 4K window: the drafts compute plain
     causal attention, so MAGICDEC refuses it at launch (the backends refuse such a layer too)."""
     import json
@@ -92,7 +135,6 @@ def test_model_with_sliding_window_attention_is_one_line_error(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     config.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=4096)
     (tmp_path / "config.json").write_text(json.dumps(config))
-    result = _launch("--model-path", str(tmp_path), "--speculative-algorithm", "MAGICDEC")
-    assert result.returncode == 2, result.stderr
-    (error,) = [line for line in result.stderr.strip().splitlines() if not line.startswith("[")]
-    assert error.endswith("uses sliding-window attention"), error
+    with pytest.raises(LaunchError) as refused:
+        launch_checks(["--model-path", str(tmp_path), "--speculative-algorithm", "MAGICDEC"])
+    assert str(refused.value).endswith("uses sliding-window attention"), refused.value

@@ -39,7 +39,9 @@ COUNTERS = ("summaries_computed", "summaries_reused", "drafts_without_summary")
 
 @pytest.fixture(scope="module")
 def snap(server_factory):
-    return server_factory(*POOL_ARGS, *SNAPKV, "--magicdec-debug")
+    # Metrics on, refreshed after every decode batch: test_prometheus_metrics_describe_magicdec.
+    metrics = ("--enable-metrics", "--decode-log-interval", "1")
+    return server_factory(*POOL_ARGS, *SNAPKV, "--magicdec-debug", *metrics)
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +64,36 @@ def test_greedy_identical_to_autoregressive(snap, plain, long_prompts):
     for index, (prompt, a, b) in enumerate(zip(long_prompts[:3], got, expected, strict=True)):
         assert summary_of(a)["status"] == "computed"
         assert_same_or_tie(plain, prompt, a["output_ids"], b["output_ids"], f"prompt {index}")
+
+
+def scrape_metrics(server) -> dict[str, float]:
+    """`/metrics` samples by name (the label sets of one server's single scheduler)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(f"{server.url}/metrics", timeout=30).text
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_prometheus_metrics_describe_magicdec(snap, long_prompts):
+    """With --enable-metrics, SGLang's speculative gauges describe the MAGICDEC rounds just run
+    and MagicDec's own counters equal `/get_server_info`'s (one request at a time: the last
+    decode batch was this request's, and nothing runs between the scrape and the info)."""
+    result = greedy(snap, long_prompts[3], 32, ignore_eos=True)
+    assert result["meta_info"]["spec_verify_ct"] > 0
+    scraped, info = scrape_metrics(snap), magicdec_info(snap)
+    gamma = info["gamma"]
+    assert scraped["sglang:spec_num_steps"] == gamma
+    assert scraped["sglang:spec_num_draft_tokens"] == gamma + 1
+    assert scraped["sglang:magicdec_gamma"] == gamma
+    assert 1.0 <= scraped["sglang:spec_accept_length"] <= gamma + 1
+    assert scraped["sglang:magicdec_request_rounds_total"] == info["verify_rounds"] > 0
+    for counter in COUNTERS:
+        assert scraped[f"sglang:magicdec_{counter}_total"] == info[counter], counter
+    assert info["summaries_computed"] > 0
 
 
 def test_snapkv_accepts_more_than_streaming(snap, streaming_pg19_run, tokenizer):
