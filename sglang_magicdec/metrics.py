@@ -45,14 +45,14 @@ class MagicDecMetrics:
         # Imported here: prometheus_client must load after SGLang set PROMETHEUS_MULTIPROC_DIR.
         from prometheus_client import Counter, Gauge
 
-        self.labels = labels
+        # Each metric is labelled once, here: publishing then looks up no label set, and a count
+        # still at 0 is exported as 0, not missing.
         self.gamma = Gauge(
             name="sglang:magicdec_gamma",
             documentation="γ of MagicDec's latest decode batch (0: it decoded without drafts).",
             labelnames=labels.keys(),
             multiprocess_mode="mostrecent",
-        )
-        # Labelled once here, so that a count still at 0 is exported as 0, not missing.
+        ).labels(**labels)
         self.counters = {
             key: Counter(name=name, documentation=doc, labelnames=labels.keys()).labels(**labels)
             for key, (name, doc) in COUNTERS.items()
@@ -61,7 +61,7 @@ class MagicDecMetrics:
 
     def publish(self, counts: dict[str, int], gamma: int) -> None:
         """Set γ and bring each counter up to the worker's lifetime count."""
-        self.gamma.labels(**self.labels).set(gamma)
+        self.gamma.set(gamma)
         for key, counter in self.counters.items():
             increase = counts.get(key, 0) - self.published[key]
             if increase > 0:

@@ -22,14 +22,9 @@
 
 #ifndef FEW_ROWS_BODY
 
-#include <ATen/Config.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/extension.h>
-
-#if AT_PARALLEL_OPENMP && !defined(_OPENMP)
-#error "torch uses OpenMP: compile with -fopenmp, or at::parallel_for runs serially"
-#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -39,14 +34,11 @@
 #include <utility>
 #include <vector>
 
-#include "cpu_isa.h"
-#ifdef MAGICDEC_X86
-#include <immintrin.h>
-#endif
+#include "cpu_common.h"
 
 namespace {
 
-using bf16_bits = uint16_t;  // bfloat16 as stored: the high half of a float32
+using magicdec::bf16_bits;
 
 // Weight rows per block, and x rows per register tile (kBlockN x kTileM accumulators).
 constexpr int kBlockN = 4;

@@ -21,16 +21,9 @@
 
 #ifndef SLOT_ATTENTION_BODY
 
-#include <ATen/Config.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/extension.h>
-
-// at::parallel_for is an inline template: with torch's OpenMP backend its `#pragma omp parallel`
-// is compiled here, and without -fopenmp it silently runs everything on one thread.
-#if AT_PARALLEL_OPENMP && !defined(_OPENMP)
-#error "torch uses OpenMP: compile with -fopenmp, or at::parallel_for runs serially"
-#endif
 
 #include <algorithm>
 #include <atomic>
@@ -43,10 +36,7 @@
 #include <string>
 #include <vector>
 
-#include "cpu_isa.h"
-#ifdef MAGICDEC_X86
-#include <immintrin.h>
-#endif
+#include "cpu_common.h"
 
 namespace {
 
@@ -61,7 +51,7 @@ constexpr int64_t kMinChunk = 256;
 constexpr int kTasksPerThread = 4;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-using bf16_bits = uint16_t;  // bfloat16 as stored: the high half of a float32
+using magicdec::bf16_bits;
 
 // Where the keys and values are: element pointers and strides (in elements) of the pool.
 struct Pool {
