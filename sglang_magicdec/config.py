@@ -1,15 +1,12 @@
-"""MagicDec's own command-line flags: parsed once by our launcher, beside SGLang's, validated with
-one-line errors, and handed to the scheduler processes (spawned, so through the environment)."""
+"""MagicDec's own command-line flags: part of SGLang's server arguments wherever they are parsed
+(our launcher, SGLang's own `python -m sglang.launch_server`), validated with one-line errors, and
+carried on the ServerArgs record itself to every process SGLang hands it to (`register`)."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
-import os
 from dataclasses import dataclass
 
-ENV_VAR = "SGLANG_MAGICDEC_CONFIG"
 ALGORITHM = "MAGICDEC"
 DRAFTS = ("streaming", "snapkv")
 POOLS = ("avg", "max")
@@ -98,13 +95,11 @@ class MagicDecConfig:
         """Committed length below which a request's draft is the whole context."""
         return self.budget if self.min_context is None else self.min_context
 
-    def to_env(self) -> None:
-        os.environ[ENV_VAR] = json.dumps(dataclasses.asdict(self))
-
     @classmethod
-    def from_env(cls) -> MagicDecConfig:
-        raw = os.environ.get(ENV_VAR)
-        return cls(**json.loads(raw)) if raw else cls()
+    def of(cls, server_args) -> MagicDecConfig:
+        """The config parsed with these server arguments; the defaults when none was (a record
+        built in Python, e.g. `sglang.Engine(..., speculative_algorithm="MAGICDEC")`)."""
+        return getattr(server_args, SERVER_ARGS_FIELD, None) or cls()
 
 
 _FLAGS = {
@@ -209,3 +204,41 @@ def config_from_args(args: argparse.Namespace) -> MagicDecConfig | None:
             f"--magicdec-gamma {config.gamma} and --speculative-num-steps {steps} disagree"
         )
     return config
+
+
+# SGLang keeps "bookkeeping" attributes (underscore names that are not fields) on a ServerArgs
+# record, writable at any time and pickled with it to the scheduler processes
+# (`ServerArgs.__reduce__`), as it does for `_launch_command`: our config rides there.
+SERVER_ARGS_FIELD = "_magicdec_config"
+SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
+
+
+def register() -> None:
+    """Make our flags part of SGLang's: `ServerArgs.add_cli_args` builds the parser of every
+    launcher (ours and `sglang.launch_server`), `ServerArgs.from_cli_args` turns the parsed
+    flags into the record. Both are hooked: SGLang has no seam for a plugin's flags."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(f"{SERVER_ARGS}.add_cli_args", _add_to_parser, HookType.AFTER)
+    HookRegistry.register(f"{SERVER_ARGS}.from_cli_args", _carry_config, HookType.AROUND)
+
+
+def _add_to_parser(result, parser: argparse.ArgumentParser, *args, **kwargs):
+    if "--magicdec-draft" not in parser._option_string_actions:
+        add_magicdec_args(parser)
+    return result
+
+
+def _carry_config(original, cls, args: argparse.Namespace, *rest, **kwargs):
+    """The record of parsed flags, with our validated config on it. A bad value ends the launch
+    with one line (SystemExit, as argparse does), whichever launcher parsed it."""
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    if config is not None and config.gamma not in (None, "auto"):
+        args.speculative_num_steps = int(config.gamma)
+    server_args = original(cls, args, *rest, **kwargs)
+    if config is not None:
+        setattr(server_args, SERVER_ARGS_FIELD, config)
+    return server_args

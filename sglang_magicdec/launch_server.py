@@ -25,29 +25,21 @@ class _OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """SGLang's server flags plus the MagicDec group; `--model-path` becomes optional."""
+    """SGLang's server flags, with the MagicDec group our plugin adds to them
+    (`config.register`); `--model-path` becomes optional."""
     from sglang.srt.server_args import ServerArgs
 
     from sglang_magicdec.config import add_magicdec_args
 
     parser = _OneLineParser(prog=PROG, description=__doc__.splitlines()[0])
     ServerArgs.add_cli_args(parser)
+    if "--magicdec-draft" not in parser._option_string_actions:
+        add_magicdec_args(parser)  # plugins not loaded: --help still shows our flags
     model_path = parser._option_string_actions["--model-path"]
     model_path.required = False
     model_path.default = None
     model_path.help += " Default: the embedded SmolLM2-135M-Instruct."
-    add_magicdec_args(parser)
     return parser
-
-
-def _split_argv(argv: list[str]) -> list[str]:
-    """The argv SGLang's own parser should see: ours removed."""
-    from sglang_magicdec.config import add_magicdec_args
-
-    ours = argparse.ArgumentParser(add_help=False)
-    add_magicdec_args(ours)
-    _, rest = ours.parse_known_args(argv)
-    return rest
 
 
 def prepare(argv: list[str]):
@@ -64,10 +56,10 @@ def prepare(argv: list[str]):
 
     args = build_parser().parse_args(argv)
     try:
-        config = config_from_args(args)
+        config_from_args(args)  # SGLang's parse checks it again (config.register)
     except ValueError as exc:
         raise LaunchError(str(exc)) from None
-    sglang_argv = _split_argv(argv)
+    sglang_argv = list(argv)
     if args.model_path is None:
         try:
             sglang_argv += ["--model-path", embedded_model_path()]
@@ -76,10 +68,6 @@ def prepare(argv: list[str]):
         if args.served_model_name is None:
             # SGLang names a model by its path: here, a cache folder no client should see.
             sglang_argv += ["--served-model-name", EMBEDDED_NAME]
-    if config is not None:
-        if config.gamma not in (None, "auto") and args.speculative_num_steps is None:
-            sglang_argv += ["--speculative-num-steps", config.gamma]
-        config.to_env()
     try:
         server_args = prepare_server_args(sglang_argv)
         server_args.resolve_once()

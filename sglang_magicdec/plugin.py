@@ -4,13 +4,14 @@ detokenizer), so whatever we register here exists wherever SGLang looks for it."
 from __future__ import annotations
 
 import functools
-from typing import Protocol
+import weakref
 
 from sglang_magicdec.platforms import ATTENTION_BACKEND, CPU_ATTENTION_BACKENDS
 
 
 def load() -> None:
-    """Register MAGICDEC, our attention backends (the CPU ones; the wrapper SGLang's fa3,
+    """Register our flags among SGLang's server arguments (`config`), MAGICDEC, our attention
+    backends (the CPU ones; the wrapper SGLang's fa3,
     flashinfer and triton backends get while MAGICDEC runs), the request checks SGLang lacks
     (`validation`), our Prometheus metrics (`metrics`) and, on our CPU platform, the CPU
     defaults."""
@@ -18,7 +19,7 @@ def load() -> None:
     from sglang.srt.layers.attention.attention_registry import register_attention_backend
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_magicdec import metrics, spec_algo, validation
+    from sglang_magicdec import config, metrics, spec_algo, validation
     from sglang_magicdec.attention import create_backend
     from sglang_magicdec.gpu_attention import wrap_dense_backends
     from sglang_magicdec.platforms import is_active
@@ -27,6 +28,7 @@ def load() -> None:
     for name in CPU_ATTENTION_BACKENDS:
         register_attention_backend(name)(functools.partial(create_backend, name=name))
     wrap_dense_backends()
+    config.register()
     spec_algo.register()
     validation.register()
     metrics.register()
@@ -63,48 +65,63 @@ def add_server_info(result, controller, state: dict, *args, **kwargs):
 # requests and evictions. SGLang documents `on_release` as the place to "drop per-request state
 # kept outside the tree"; eviction (all paths go through `_evict`) and `reset` (flush_cache) have
 # no public seam, so they are hooked directly. The hooks are registered once per process and
-# tell whoever subscribed: the MagicDec worker of this process (`subscribe_to_radix_cache`).
+# tell whoever subscribed (the SnapKV selection, γ = auto's controller).
 RADIX_CACHE = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
 
 
-class RadixCacheListener(Protocol):
-    def max_prefix_len(self, req, limit: int) -> int: ...
-    def request_released(self, rid: str) -> None: ...
-    def kv_freed(self) -> None: ...
-    def cache_reset(self) -> None: ...
+class RadixCacheListener:
+    """What a subscriber hears of its process's radix cache; each method does nothing unless
+    overridden."""
+
+    def max_prefix_len(self, req, limit: int) -> int:
+        """How much of `req`'s prompt the cache may match, SGLang's own bound being `limit`."""
+        return limit
+
+    def request_released(self, rid: str) -> None:
+        """SGLang freed the request's KV (finished, aborted or retracted)."""
+
+    def kv_freed(self, allocator) -> None:
+        """The cache evicted KV back to `allocator` (the pool's token allocator)."""
+
+    def cache_reset(self) -> None:
+        """The cache was flushed."""
 
 
-_radix_cache_listeners: list[RadixCacheListener] = []
+# Held weakly: SGLang gives a speculative worker no shutdown call, so a subscriber stops
+# listening when it is collected, or earlier through `unsubscribe_from_radix_cache`.
+_radix_cache_listeners: list[weakref.ref[RadixCacheListener]] = []
 
 
 def subscribe_to_radix_cache(listener: RadixCacheListener) -> None:
-    """`listener` hears of released requests, evictions and resets of this process's cache,
-    and bounds how much of each prompt the cache may match."""
-    if listener not in _radix_cache_listeners:
-        _radix_cache_listeners.append(listener)
+    if listener not in _listeners():
+        _radix_cache_listeners.append(weakref.ref(listener))
 
 
 def unsubscribe_from_radix_cache(listener: RadixCacheListener) -> None:
-    if listener in _radix_cache_listeners:
-        _radix_cache_listeners.remove(listener)
+    _radix_cache_listeners[:] = [ref for ref in _radix_cache_listeners if ref() is not listener]
+
+
+def _listeners() -> list[RadixCacheListener]:
+    _radix_cache_listeners[:] = [ref for ref in _radix_cache_listeners if ref() is not None]
+    return [listener for ref in _radix_cache_listeners if (listener := ref()) is not None]
 
 
 def _request_released(result, cache, req, *args, **kwargs):
-    for listener in _radix_cache_listeners:
+    for listener in _listeners():
         listener.request_released(req.rid)
     return result
 
 
-def _kv_evicted(result, *args, **kwargs):
+def _kv_evicted(result, cache, *args, **kwargs):
     # `_evict` runs whenever the scheduler wants room, mostly freeing nothing.
     if getattr(result, "num_tokens_evicted", 1):
-        for listener in _radix_cache_listeners:
-            listener.kv_freed()
+        for listener in _listeners():
+            listener.kv_freed(cache.token_to_kv_pool_allocator)
     return result
 
 
 def _cache_reset(result, *args, **kwargs):
-    for listener in _radix_cache_listeners:
+    for listener in _listeners():
         listener.cache_reset()
     return result
 
@@ -120,7 +137,7 @@ PREFIX_MATCH_LIMIT = "sglang.srt.managers.schedule_batch.Req._compute_max_prefix
 
 def _max_prefix_len(original, req, *args, **kwargs) -> int:
     limit = original(req, *args, **kwargs)
-    for listener in _radix_cache_listeners:
+    for listener in _listeners():
         limit = listener.max_prefix_len(req, limit)
     return limit
 

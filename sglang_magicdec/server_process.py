@@ -1,4 +1,5 @@
-"""Start `python -m sglang_magicdec.launch_server` as a child process and wait until it serves.
+"""Start `python -m sglang_magicdec.launch_server` (or SGLang's own launcher) as a child process
+and wait until it serves.
 
 Used by the tests and the benchmarks; handy for scripts that want a throwaway local server.
 """
@@ -16,6 +17,8 @@ from pathlib import Path
 import requests
 
 LAUNCH = [sys.executable, "-m", "sglang_magicdec.launch_server"]
+# SGLang's own: our plugin adds the MagicDec flags to it too; it needs --model-path.
+SGLANG_LAUNCH = [sys.executable, "-m", "sglang.launch_server"]
 
 
 def free_port() -> int:
@@ -52,15 +55,19 @@ class ServerProcess:
 
 
 def start_server(
-    args: list[str], log_dir: Path, timeout_s: float = 300, env: dict[str, str] | None = None
+    args: list[str],
+    log_dir: Path,
+    timeout_s: float = 300,
+    env: dict[str, str] | None = None,
+    launch: list[str] = LAUNCH,
 ) -> ServerProcess:
-    """Launch on a free loopback port (with `env` added to this process's environment);
-    raises RuntimeError with the log tail if it fails."""
+    """Launch `launch` on a free loopback port (with `env` added to this process's
+    environment); raises RuntimeError with the log tail if it fails."""
     port = free_port()
     log_path = Path(log_dir) / f"server-{port}.log"
     with log_path.open("w") as log:
         process = subprocess.Popen(
-            [*LAUNCH, "--host", "127.0.0.1", "--port", str(port), *args],
+            [*launch, "--host", "127.0.0.1", "--port", str(port), *args],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=None if env is None else {**os.environ, **env},

@@ -21,8 +21,7 @@ the forward returns (`Scheduler._forward_isolation`).
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from sglang.srt.layers.logprob_processor import compute_spec_logprobs
@@ -34,46 +33,15 @@ from sglang.srt.runtime_context import get_parallel, get_spec
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 
+from sglang_magicdec.acceptance import AcceptanceStats, SeededRows, acceptor_for
 from sglang_magicdec.config import MagicDecConfig
-from sglang_magicdec.cost_model import CostModel, StepCosts, bucket_key
+from sglang_magicdec.debug_checks import check_ranks_agree, check_selection
 from sglang_magicdec.drafts import make_selection
+from sglang_magicdec.gamma import GammaController, RoundClock
 from sglang_magicdec.metrics import MagicDecMetrics
-from sglang_magicdec.plugin import subscribe_to_radix_cache
-from sglang_magicdec.sampling import (
-    chain_rejection_sample,
-    filtered_probs,
-    greedy_accept,
-    sample_from,
-    sampling_probs,
-    seeded_sample,
-)
 from sglang_magicdec.spec_info import DraftPositions, DraftRound, MagicDecInput, to_device
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class AcceptanceStats:
-    """Server-lifetime counters of verified rounds, per request. Token counts accumulate on
-    the device (a round never waits to count) and are read when the server info is asked for."""
-
-    request_rounds: int = 0  # (request, verify pass) pairs
-    drafted: int = 0
-    accepted_tokens: torch.Tensor | int = 0  # committed by those passes, bonus tokens included
-
-    def record(self, accept_lens: torch.Tensor, gamma: int) -> None:
-        self.request_rounds += accept_lens.numel()
-        self.drafted += gamma * accept_lens.numel()
-        self.accepted_tokens = self.accepted_tokens + accept_lens.sum(dtype=torch.int64)
-
-    def summary(self) -> dict:
-        rounds = max(self.request_rounds, 1)
-        accepted = int(self.accepted_tokens)
-        return {
-            "verify_rounds": self.request_rounds,
-            "avg_accept_length": accepted / rounds,
-            "draft_acceptance_rate": (accepted - self.request_rounds) / max(self.drafted, 1),
-        }
 
 
 @dataclass
@@ -94,14 +62,6 @@ class Committed:
         return cls(batch.seq_lens.to(torch.int64), host.to(torch.int64), lengths, sum(lengths))
 
 
-@dataclass
-class SeededRows:
-    """The rows of a batch that sample with a `sampling_seed` (`seeded_sample`)."""
-
-    index: torch.Tensor  # [n] row indices, on the device
-    seeds: torch.Tensor  # [n] their seeds, on the device
-
-
 class MagicDecWorker(BaseSpecWorker):
     """Self-speculation: the target model drafts on a sparse view of its own KV cache."""
 
@@ -118,23 +78,24 @@ class MagicDecWorker(BaseSpecWorker):
         self.model_runner = target_worker.model_runner
         self.device = self.model_runner.device
         self._on_cuda = torch.device(self.device).type == "cuda"
-        self.config = MagicDecConfig.from_env()
+        self.config = MagicDecConfig.of(server_args)
         self.gamma: int = get_spec().speculative_num_steps
         self.num_draft_tokens: int = get_spec().speculative_num_draft_tokens
         assert self.num_draft_tokens == self.gamma + 1
         self.draft = make_selection(self.config, self.model_runner.model)
         self.stats = AcceptanceStats()
-        self.cost_model = CostModel(gamma_max=self.gamma) if self.config.gamma == "auto" else None
-        self.latest_gamma = 0  # of the latest decode batch (0: decoded without drafts)
-        self.metrics: MagicDecMetrics | None = None  # created at the first publish
         # Tensor-parallel ranks must run the same round. Data every rank shares decides it
         # (the batch, the accepted tokens, the store's events), except what each rank times or
         # draws: γ = auto is decided on the first rank and broadcast, and unseeded uniforms come
         # from a generator every rank seeds and consumes alike (SGLang's sampler likewise relies
         # on identical seeds rather than syncing its tokens).
         self.tp_group = get_parallel().tp_group
+        self.gamma_control = GammaController(
+            self.gamma, self.config.gamma == "auto", self.tp_group, self._on_cuda
+        )
+        self.latest_gamma = 0  # of the latest decode batch (0: decoded without drafts)
+        self.metrics: MagicDecMetrics | None = None  # created at the first publish
         self.rng = torch.Generator().manual_seed(target_worker.random_seed)
-        subscribe_to_radix_cache(self)
         logger.info(
             "MagicDec: %s, gamma=%d, dense below %d tokens",
             self.config,
@@ -150,7 +111,7 @@ class MagicDecWorker(BaseSpecWorker):
             "sinks": self.config.sinks,
             "gamma": self.gamma,
             **self.stats.summary(),
-            **self._gamma_info(),
+            **self.gamma_control.info(),
             **self.draft.info(),
         }
 
@@ -185,7 +146,7 @@ class MagicDecWorker(BaseSpecWorker):
     ) -> GenerationBatchResult:
         if not batch.forward_mode.is_decode():
             return self._extend(batch, on_publish, pp_proxy_tensors)
-        gamma = self._choose_gamma(batch) if self._can_speculate(batch) else 0
+        gamma = self.gamma_control.choose(batch) if self._can_speculate(batch) else 0
         self.latest_gamma = gamma
         if gamma == 0:
             return self._plain_decode(batch, on_publish)
@@ -219,81 +180,29 @@ class MagicDecWorker(BaseSpecWorker):
     # -- decode: draft, verify, accept, commit ------------------------------------------------
 
     def _speculate(self, batch: ScheduleBatch, on_publish, gamma: int) -> GenerationBatchResult:
-        bucket = self._bucket(batch)
-        # The round's bookkeeping (slots, draft selections, uniforms, acceptance) is part of its
-        # cost: the cost model times whole rounds.
-        started = self._clock()
+        clock = self.gamma_control.start(batch)
         committed = Committed.of(batch)
         round_slots = self._round_slots(batch, committed.device, gamma + 1)
         draft_round = self._draft_round(batch, committed, round_slots)
+        acceptor = acceptor_for(batch, gamma, committed.device, self.rng, self.device)
         tokens = self._last_tokens(batch)
-        greedy = batch.sampling_info.is_all_greedy
-        if not greedy:
-            params = self._sampling_params(batch)
-            # [B, 2γ+1]: γ draft draws, γ acceptance tests, the last draw.
-            uniforms = torch.rand(len(batch.reqs), 2 * gamma + 1, generator=self.rng)
-            uniforms = to_device(uniforms, self.device)
-            seeded = self._seeded_rows(batch)
-            draft_probs = []
-
         for step in range(gamma):
             logits = self._draft_step(batch, committed, step, tokens, draft_round, round_slots)
-            if greedy:
-                next_tokens = logits.argmax(dim=-1)
-            else:
-                draft_probs.append(sampling_probs(logits, *params))
-                next_tokens = sample_from(draft_probs[-1], uniforms[:, step])
-                if seeded is not None:
-                    coupled = seeded_sample(
-                        draft_probs[-1].index_select(0, seeded.index),
-                        seeded.seeds,
-                        committed.device.index_select(0, seeded.index) + step,
-                    )
-                    next_tokens = next_tokens.index_copy(0, seeded.index, coupled)
-            tokens = torch.cat([tokens, next_tokens[:, None]], dim=1)
-
-        drafted = self._clock()
+            tokens = torch.cat([tokens, acceptor.propose(logits, step)[:, None]], dim=1)
+        self.gamma_control.drafted(clock)
         verify = self._verify(batch, committed, tokens, round_slots)
-        logits = verify.logits_output.next_token_logits
-        if greedy:
-            # `target[b, j]`: the target's token after tokens[b, :j+1].
-            target = logits.argmax(dim=-1).view(tokens.shape)
-            accept_lens = greedy_accept(tokens, target)
-        else:
-            width = gamma + 1
-            target_probs = sampling_probs(
-                logits, *(param.repeat_interleave(width) for param in params)
-            ).view(len(batch.reqs), width, -1)
-            target, accept_lens = chain_rejection_sample(
-                tokens[:, 1:],
-                torch.stack(draft_probs, dim=1),
-                target_probs,
-                uniforms[:, gamma : 2 * gamma],
-                uniforms[:, 2 * gamma],
-            )
-            if seeded is not None:
-                rows = seeded.index
-                positions = committed.device.index_select(0, rows)[:, None] + torch.arange(
-                    width, device=self.device
-                )
-                coupled = seeded_sample(
-                    target_probs.index_select(0, rows).flatten(0, 1),
-                    seeded.seeds.repeat_interleave(width),
-                    positions.flatten(),
-                ).view(-1, width)
-                target = target.index_copy(0, rows, coupled)
-                accept_lens = accept_lens.index_copy(
-                    0, rows, greedy_accept(tokens.index_select(0, rows), coupled)
-                )
+        target, accept_lens = acceptor.accept(tokens, verify.logits_output.next_token_logits)
+        return self._commit(batch, verify, target, accept_lens, clock, on_publish)
+
+    def _commit(
+        self, batch, verify, target, accept_lens, clock: RoundClock | None, on_publish
+    ) -> GenerationBatchResult:
+        """Request b commits target[b, :accept_lens[b]]: counted, timed, and handed back."""
+        gamma = target.shape[1] - 1
         if self.config.debug and self.tp_group.world_size > 1:
-            self._check_ranks_agree(target, accept_lens)
+            check_ranks_agree(self.tp_group, target, accept_lens)
         self.stats.record(accept_lens, gamma)
-        if self.cost_model is not None:
-            self.cost_model.record_round(
-                bucket, gamma, (drafted - started) / gamma, self._clock() - started
-            )
-            rids = [req.rid for req in batch.reqs]
-            self.cost_model.record_acceptance(rids, accept_lens.tolist(), gamma)
+        self.gamma_control.record_round(clock, gamma, [req.rid for req in batch.reqs], accept_lens)
         if batch.return_logprob:
             # Verify row b·(γ+1)+j is the target's distribution of target[b, j].
             compute_spec_logprobs(
@@ -306,8 +215,7 @@ class MagicDecWorker(BaseSpecWorker):
 
     def _plain_decode(self, batch: ScheduleBatch, on_publish) -> GenerationBatchResult:
         """One ordinary decode step (γ = 0) in the round's first reserved slot."""
-        bucket = self._bucket(batch)
-        started = self._clock()
+        clock = self.gamma_control.start(batch)
         committed = Committed.of(batch)
         batch.input_ids = self._last_tokens(batch)[:, 0]
         batch.out_cache_loc = self._round_slots(batch, committed.device, 1)[:, 0]
@@ -315,8 +223,7 @@ class MagicDecWorker(BaseSpecWorker):
         batch.spec_info = None
         result = self.target_worker.forward_batch_generation(batch)
         self._take_seeded_tokens(batch, result, committed.device)
-        if self.cost_model is not None:
-            self.cost_model.record_decode(bucket, self._clock() - started)
+        self.gamma_control.record_decode(clock)
         if batch.return_logprob:
             # Sampling computed them (its logits are probabilities by now); the scheduler reads a
             # speculative batch's logprobs as one row per request.
@@ -347,7 +254,9 @@ class MagicDecWorker(BaseSpecWorker):
         if self.config.debug:
             for b, (req, length) in enumerate(zip(batch.reqs, committed.lengths, strict=True)):
                 slots = draft_round.head_slots[:, b, :, : positions[b].count]
-                self._check_selection(req, req_to_token[req.kv.req_pool_idx], length, slots)
+                row = req_to_token[req.kv.req_pool_idx]
+                allocator = self.token_to_kv_pool_allocator
+                check_selection(self.draft, allocator, req, row, length, slots)
         return draft_round
 
     def _draft_step(self, batch, committed, step, tokens, draft_round, round_slots) -> torch.Tensor:
@@ -389,128 +298,7 @@ class MagicDecWorker(BaseSpecWorker):
             and (info.is_all_greedy or not batch.return_logprob)
         )
 
-    def _choose_gamma(self, batch: ScheduleBatch) -> int:
-        """γ for this round: fixed, or the cost model's pick for this batch (0 = plain step)."""
-        if self.cost_model is None:
-            return self.gamma
-        previous = self.cost_model.last
-        mean_context = self._mean_context(batch)
-        decision = self.cost_model.choose([req.rid for req in batch.reqs], mean_context)
-        if self.tp_group.world_size > 1:
-            decision = self._decided_by_first_rank(decision)
-        if previous is None or previous.gamma != decision.gamma:
-            logger.info(
-                "MagicDec γ %s -> %d (batch %d, mean context %d, %s, predicted %.2fx)",
-                "-" if previous is None else previous.gamma,
-                decision.gamma,
-                len(batch.reqs),
-                mean_context,
-                decision.reason,
-                decision.predicted_speedup,
-            )
-        return decision.gamma
-
-    def _decided_by_first_rank(self, decision):
-        """The first TP rank's γ, on every rank: each rank times its own steps, so each cost
-        model may pick differently, and ranks running different rounds would deadlock."""
-        gamma = int(self._first_ranks(torch.tensor([decision.gamma], dtype=torch.int64)))
-        if gamma != decision.gamma:
-            decision = replace(decision, gamma=gamma, reason="first TP rank's choice")
-            self.cost_model.last = decision
-        return decision
-
-    def _gamma_info(self) -> dict:
-        if self.cost_model is None:
-            return {"gamma_mode": "fixed", "current_gamma": self.gamma}
-        last = self.cost_model.last
-        return {
-            "gamma_mode": "auto",
-            "current_gamma": None if last is None else last.gamma,
-            "predicted_speedup": None if last is None else last.predicted_speedup,
-            "gamma_reason": None if last is None else last.reason,
-            "alpha_prior": self.cost_model.prior(),
-            # The latest decision per (batch size, mean context) bucket, both rounded up to
-            # powers of two.
-            "gamma_by_bucket": {
-                bucket_key(bucket): {
-                    "gamma": decision.gamma,
-                    "predicted_speedup": decision.predicted_speedup,
-                    "reason": decision.reason,
-                    "model_gamma": self.cost_model.settled.get(bucket),
-                    **self.cost_model.costs.get(bucket, StepCosts()).milliseconds(),
-                }
-                for bucket, decision in sorted(self.cost_model.decisions.items())
-            },
-        }
-
-    def _bucket(self, batch: ScheduleBatch) -> tuple[int, int] | None:
-        if self.cost_model is None:
-            return None
-        return CostModel.bucket(len(batch.reqs), self._mean_context(batch))
-
-    @staticmethod
-    def _mean_context(batch: ScheduleBatch) -> float:
-        return Committed.of(batch).total / max(len(batch.reqs), 1)
-
-    # -- radix cache events (plugin.subscribe_to_radix_cache) ---------------------------------
-
-    def max_prefix_len(self, req, limit: int) -> int:
-        """How much of `req`'s prompt the radix cache may match, SGLang's bound being `limit`."""
-        return self.draft.max_prefix_len(req, limit)
-
-    def request_released(self, rid: str) -> None:
-        """SGLang freed the request's KV (finished, aborted or retracted): drop what we keep."""
-        if self.cost_model is not None:
-            self.cost_model.forget(rid)
-        self.draft.request_released(rid)
-
-    def kv_freed(self) -> None:
-        """The radix cache evicted: the draft drops what refers to freed KV."""
-        allocator = self.token_to_kv_pool_allocator
-        free = allocator.get_all_free_pages()
-        if free is None:
-            # SGLang calls this census a debug aid that may be unavailable: without it, no
-            # stored summary can be trusted to point at live KV.
-            logger.warning("MagicDec: no free-page census after an eviction; summaries dropped")
-            self.draft.cache_reset()
-            return
-        free = free.to(torch.int64).cpu()
-        if allocator.page_size > 1:
-            free = free[:, None] * allocator.page_size + torch.arange(allocator.page_size)
-            free = free.reshape(-1)
-        self.draft.kv_freed(free)
-
-    def cache_reset(self) -> None:
-        self.draft.cache_reset()
-
     # -- helpers ------------------------------------------------------------------------------
-
-    @staticmethod
-    def _sampling_params(batch: ScheduleBatch) -> tuple[torch.Tensor, ...]:
-        info = batch.sampling_info
-        return info.temperatures.view(-1), info.top_ks, info.top_ps, info.min_ps
-
-    def _clock(self) -> float | None:
-        """Wall time after the device has finished what was queued, for γ = auto's step costs
-        (its one synchronisation per timed point); None when nothing is timed."""
-        if self.cost_model is None:
-            return None
-        if self._on_cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-    def _seeded_rows(self, batch: ScheduleBatch) -> SeededRows | None:
-        """The rows that sample with their `sampling_seed`, or None (decided on the host).
-        Greedy rows (top-k 1) need no seed."""
-        rows = [
-            (row, req.sampling_params.sampling_seed)
-            for row, req in enumerate(batch.reqs)
-            if req.sampling_params.sampling_seed is not None and req.sampling_params.top_k != 1
-        ]
-        if not rows:
-            return None
-        index, seeds = torch.tensor(rows, dtype=torch.int64).unbind(1)
-        return SeededRows(to_device(index, self.device), to_device(seeds, self.device))
 
     def _take_seeded_tokens(self, batch, result, positions: torch.Tensor) -> None:
         """Rows with a `sampling_seed` take `seeded_sample`'s token in steps SGLang's sampler ran
@@ -520,7 +308,7 @@ class MagicDecWorker(BaseSpecWorker):
         something rewrites per token (`_can_speculate`) or that return logprobs keep SGLang's."""
         if batch.sampling_info.is_all_greedy or batch.return_logprob:
             return
-        seeded = self._seeded_rows(batch)
+        seeded = SeededRows.of(batch, self.device)
         if seeded is None or not self._can_speculate(batch):
             return
         # SGLang's sampler has left softmax(logits / temperature) in place of the logits.
@@ -528,56 +316,7 @@ class MagicDecWorker(BaseSpecWorker):
         if self.config.debug:
             sums = probs.sum(dim=-1)
             assert torch.allclose(sums, torch.ones_like(sums), atol=1e-3), "logits, not probs"
-        info = batch.sampling_info
-        rows = seeded.index
-        probs = filtered_probs(
-            probs.index_select(0, rows),
-            info.top_ks.index_select(0, rows),
-            info.top_ps.index_select(0, rows),
-            info.min_ps.index_select(0, rows),
-        )
-        tokens = seeded_sample(probs, seeded.seeds, positions.index_select(0, rows))
-        result.next_token_ids.index_copy_(0, rows, tokens.to(result.next_token_ids.dtype))
-
-    def _check_selection(self, req, row: torch.Tensor, length: int, slots: torch.Tensor) -> None:
-        """Debug mode: every selected slot belongs to the request's live committed KV, none is
-        free, and the draft's own state (SnapKV's summary) describes allocated KV."""
-        live = row[:length].to(torch.int64)
-        selected = slots.unique()
-        assert bool(torch.isin(selected, live).all()), "draft selection points outside live KV"
-        allocator = self.token_to_kv_pool_allocator
-        free = allocator.get_all_free_pages()
-        if free is None or not free.numel():
-            return
-        free = free.to(torch.int64)
-        if bool(torch.isin(selected // allocator.page_size, free).any()):
-            bad = torch.nonzero(torch.isin(live // allocator.page_size, free)).flatten()
-            raise AssertionError(
-                f"draft selection points at freed KV: rid={req.rid} length={length} "
-                f"prompt={len(req.origin_input_ids)} freed positions={bad.tolist()[:20]} "
-                f"n={bad.numel()} retractions={getattr(req, 'retraction_count', None)} "
-                f"output={len(req.output_ids)}"
-            )
-        self.draft.check(req, row, free, allocator.page_size)
-
-    def _check_ranks_agree(self, target: torch.Tensor, accept_lens: torch.Tensor) -> None:
-        """Debug mode under TP: every rank committed the same tokens this round (they sample from
-        the same gathered logits with the same uniforms, so only a rank-local decision differs)."""
-        mine = torch.cat([accept_lens.to(torch.int64).cpu(), target.reshape(-1).cpu()])
-        first = self._first_ranks(mine.clone())
-        if not torch.equal(first, mine):
-            raise AssertionError(
-                f"TP rank {self.tp_group.rank_in_group} committed {mine.tolist()} where the first "
-                f"rank committed {first.tolist()}"
-            )
-
-    def _first_ranks(self, values: torch.Tensor) -> torch.Tensor:
-        """`values` (a CPU tensor) replaced in place by the first TP rank's, over the TP group's
-        CPU (gloo) group; every rank must call it at the same point."""
-        torch.distributed.broadcast(
-            values, src=self.tp_group.ranks[0], group=self.tp_group.cpu_group
-        )
-        return values
+        seeded.take_from_sampler(result.next_token_ids, probs, batch.sampling_info, positions)
 
     def _round_slots(
         self, batch: ScheduleBatch, committed: torch.Tensor, width: int

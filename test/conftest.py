@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from sglang_magicdec.server_process import ServerProcess, start_server
+from sglang_magicdec.server_process import LAUNCH, ServerProcess, start_server
 from test.helpers import GAMMA, POOL_ARGS, pg19_acceptance_prompts, run_concurrently
 
 # No model hub at run time: a test that reaches for the network must fail, not hang.
@@ -19,8 +19,10 @@ def _server_factory(tmp_path_factory) -> Iterator:
     started: list[ServerProcess] = []
     log_dir = tmp_path_factory.mktemp("server-logs")
 
-    def factory(*args: str, env: dict[str, str] | None = None) -> ServerProcess:
-        server = start_server(list(args), log_dir, env=env)
+    def factory(
+        *args: str, env: dict[str, str] | None = None, launch: list[str] = LAUNCH
+    ) -> ServerProcess:
+        server = start_server(list(args), log_dir, env=env, launch=launch)
         started.append(server)
         return server
 

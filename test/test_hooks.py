@@ -7,14 +7,16 @@ internal would silently drop our hook; this test is where such a rename fails lo
 
 from __future__ import annotations
 
+import gc
 import pkgutil
+from types import SimpleNamespace
 
 import pytest
 from sglang.srt.mem_cache.base_prefix_cache import EvictResult
 from sglang.srt.plugins import load_plugins
 from sglang.srt.plugins.hook_registry import HookRegistry
 
-from sglang_magicdec import plugin
+from sglang_magicdec import config, plugin
 
 OURS = "sglang_magicdec"
 
@@ -36,6 +38,8 @@ def test_hooks_cover_the_internals_the_design_names():
         f"{plugin.RADIX_CACHE}.reset",
         plugin.PREFIX_MATCH_LIMIT,
         plugin.INTERNAL_STATE_SPECULATIVE,
+        f"{config.SERVER_ARGS}.add_cli_args",
+        f"{config.SERVER_ARGS}.from_cli_args",
     ):
         assert expected in targets
 
@@ -47,11 +51,11 @@ def test_hooked_sglang_internal_exists(target):
     assert callable(getattr(owner, name, None)), f"SGLang 0.5.23 has no {target}"
 
 
-class Recorder:
+class Recorder(plugin.RadixCacheListener):
     def __init__(self):
         self.freed = 0
 
-    def kv_freed(self) -> None:
+    def kv_freed(self, allocator) -> None:
         self.freed += 1
 
 
@@ -63,8 +67,28 @@ def recorder():
     plugin.unsubscribe_from_radix_cache(listener)
 
 
+CACHE = SimpleNamespace(token_to_kv_pool_allocator=None)
+
+
 def test_an_eviction_that_freed_nothing_is_not_reported(recorder):
-    plugin._kv_evicted(EvictResult(num_tokens_evicted=0))
+    plugin._kv_evicted(EvictResult(num_tokens_evicted=0), CACHE)
     assert recorder.freed == 0
-    plugin._kv_evicted(EvictResult(num_tokens_evicted=5))
+    plugin._kv_evicted(EvictResult(num_tokens_evicted=5), CACHE)
     assert recorder.freed == 1
+
+
+def test_listeners_are_held_weakly_and_can_unsubscribe():
+    """SGLang gives a speculative worker no shutdown call: a collected subscriber stops
+    listening, and one that unsubscribes hears nothing more."""
+    kept, dropped = Recorder(), Recorder()
+    plugin.subscribe_to_radix_cache(kept)
+    plugin.subscribe_to_radix_cache(kept)  # once only
+    plugin.subscribe_to_radix_cache(dropped)
+    del dropped
+    gc.collect()
+    assert plugin._listeners() == [kept]
+    plugin._kv_evicted(EvictResult(num_tokens_evicted=5), CACHE)
+    assert kept.freed == 1
+    plugin.unsubscribe_from_radix_cache(kept)
+    plugin._kv_evicted(EvictResult(num_tokens_evicted=5), CACHE)
+    assert kept.freed == 1 and plugin._listeners() == []

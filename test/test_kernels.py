@@ -205,7 +205,7 @@ def test_dispatchers_do_not_import_triton_for_cpu_tensors():
 # Triton versions against the torch versions
 # ---------------------------------------------------------------------------------------------
 
-# TRITON_INTERPRET as the run started: the fixture must leave it exactly so.
+# TRITON_INTERPRET as the run started: the interpreted kernels' imports must leave it so.
 INTERPRET_AT_START = os.environ.get("TRITON_INTERPRET")
 
 
@@ -250,17 +250,24 @@ def triton_kernels() -> SimpleNamespace:
     if torch.cuda.is_available():
         snapkv, sparse = (importlib.import_module(name) for name in TRITON_MODULES)
         return SimpleNamespace(snapkv=snapkv, sparse=sparse, device="cuda")
+    process_triton = sys.modules.get("triton")
     with _triton_interpreter_imports():
         snapkv, sparse = (importlib.import_module(name) for name in TRITON_MODULES)
-    return SimpleNamespace(snapkv=snapkv, sparse=sparse, device="cpu")
+    return SimpleNamespace(
+        snapkv=snapkv, sparse=sparse, device="cpu", process_triton=process_triton
+    )
 
 
-def test_fixture_restores_environment(triton_kernels):
+def test_interpreted_kernels_leave_this_process_triton_as_it_was(triton_kernels):
+    """Importing the kernels under the interpreter (`_triton_interpreter_imports`) puts back
+    TRITON_INTERPRET and the process's own Triton modules."""
     assert os.environ.get("TRITON_INTERPRET") == INTERPRET_AT_START
     # Only the fixture's namespace holds interpreted kernels; the process's modules are untouched.
     if triton_kernels.device == "cpu":
         interpreted = (triton_kernels.snapkv, triton_kernels.sparse)
         assert not any(sys.modules.get(name) in interpreted for name in TRITON_MODULES)
+        # (SGLang's compiled Triton kernels in this process keep running on it.)
+        assert sys.modules.get("triton") is triton_kernels.process_triton
 
 
 @pytest.mark.parametrize("seq_len,window,num_kv_heads,group", SNAPKV_CASES)

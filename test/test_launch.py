@@ -5,7 +5,6 @@ validate arguments run `launch_server.prepare` (what a launch runs before it sta
 this process, one case after another, without a process start each.
 """
 
-import os
 import subprocess
 
 import pytest
@@ -13,6 +12,8 @@ import pytest
 from sglang_magicdec.launch_server import LaunchError, prepare
 from sglang_magicdec.server_process import LAUNCH
 from test.helpers import REPO
+
+SNAPKV = ["--speculative-algorithm", "MAGICDEC", "--magicdec-draft", "snapkv"]
 
 
 def _launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -50,6 +51,17 @@ def test_help_shows_magicdec_group():
         (["--speculative-algorithm", "MAGICDEC", "--magicdec-sinks", "-1"], "must be >= 0"),
         (["--speculative-algorithm", "MAGICDEC", "--magicdec-draft", "nope"], "invalid choice"),
         (["--speculative-algorithm", "MAGICDEC", "--magicdec-budget", "x"], "invalid int value"),
+        *[
+            ([*SNAPKV, *flags], reason)
+            for flags, reason in [
+                (["--magicdec-obs-window", "0"], "--magicdec-obs-window must be in [1,"),
+                (["--magicdec-obs-window", "600"], "--magicdec-obs-window must be in [1,"),
+                (["--magicdec-pool-kernel", "4"], "--magicdec-pool-kernel must be odd"),
+                (["--magicdec-pool", "median"], "--magicdec-pool: invalid choice"),
+                (["--magicdec-share-min-len", "8"], "--magicdec-share-min-len must be >="),
+                (["--magicdec-draft", "streaming", "--magicdec-obs-window", "8"], "snapkv only"),
+            ]
+        ],
         (
             ["--speculative-algorithm", "MAGICDEC", "--speculative-num-steps", "0"],
             "(γ) must be >= 1",
@@ -93,15 +105,11 @@ def test_bad_flag_is_one_line_error(args, reason, launch_checks):
 
 @pytest.fixture
 def launch_checks():
-    """`prepare` with our plugins loaded, as `main` runs it; the environment it writes (the
-    MagicDec config for a server's worker) is put back afterwards."""
+    """`prepare` with our plugins loaded, as `main` runs it."""
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
-    saved = dict(os.environ)
-    yield prepare
-    os.environ.clear()
-    os.environ.update(saved)
+    return prepare
 
 
 @pytest.mark.parametrize(
@@ -138,3 +146,46 @@ def test_model_with_sliding_window_attention_is_one_line_error(tmp_path, launch_
     with pytest.raises(LaunchError) as refused:
         launch_checks(["--model-path", str(tmp_path), "--speculative-algorithm", "MAGICDEC"])
     assert str(refused.value).endswith("uses sliding-window attention"), refused.value
+
+
+def test_sglang_launcher_parses_and_carries_our_flags(launch_checks):
+    """SGLang's own `prepare_server_args` (what `python -m sglang.launch_server` runs) takes our
+    flags once our plugin is loaded; the config rides on the ServerArgs record through
+    resolution and pickling (how SGLang hands it to its scheduler processes)."""
+    import pickle
+
+    from sglang.srt.server_args import prepare_server_args
+
+    from sglang_magicdec.config import MagicDecConfig
+    from sglang_magicdec.model import embedded_model_path
+
+    magicdec = ["--speculative-algorithm", "MAGICDEC", "--magicdec-budget", "64"]
+    server_args = prepare_server_args(
+        ["--model-path", embedded_model_path(), *magicdec, "--magicdec-gamma", "2"]
+    )
+    assert server_args.speculative_num_steps == 2  # --magicdec-gamma N is γ = N
+    server_args.resolve_once()
+    config = MagicDecConfig.of(pickle.loads(pickle.dumps(server_args)))
+    assert (config.budget, config.gamma) == (64, "2")
+    # Ours parses the same flags into the same config.
+    assert MagicDecConfig.of(launch_checks([*magicdec, "--magicdec-draft", "streaming"])) == (
+        MagicDecConfig(draft="streaming", budget=64)
+    )
+    # A record built without our flags (sglang.Engine's keyword arguments) runs the defaults.
+    plain = prepare_server_args(["--model-path", embedded_model_path()])
+    assert MagicDecConfig.of(plain) == MagicDecConfig()
+
+
+def test_sglang_launcher_refuses_a_bad_magicdec_value_in_one_line(launch_checks):
+    from sglang.srt.server_args import prepare_server_args
+
+    from sglang_magicdec.model import embedded_model_path
+
+    with pytest.raises(SystemExit) as refused:
+        prepare_server_args(
+            ["--model-path", embedded_model_path(), "--speculative-algorithm", "MAGICDEC"]
+            + ["--magicdec-budget", "8"]
+        )
+    message = str(refused.value.code)
+    assert "--magicdec-budget (8) must be larger than --magicdec-sinks (16)" in message
+    assert "\n" not in message

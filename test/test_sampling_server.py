@@ -7,6 +7,8 @@ from collections import Counter
 import pytest
 from scipy.stats import chi2
 
+from sglang_magicdec.model import embedded_model_path
+from sglang_magicdec.server_process import SGLANG_LAUNCH
 from test.helpers import POOL_ARGS, pg19_texts
 
 pytestmark = pytest.mark.server  # starts real SGLang servers
@@ -18,8 +20,11 @@ MIN_P_VALUE = 1e-3
 
 @pytest.fixture(scope="module")
 def sampler(server_factory):
-    """A draft far from the target (32 of ~150 tokens), so drafts are really rejected."""
+    """A draft far from the target (32 of ~150 tokens), so drafts are really rejected. Started
+    by SGLang's own launcher, to which our plugin adds the MagicDec flags."""
     return server_factory(
+        "--model-path",
+        embedded_model_path(),
         *POOL_ARGS,
         "--speculative-algorithm",
         "MAGICDEC",
@@ -33,7 +38,15 @@ def sampler(server_factory):
         "4",
         "--magicdec-min-context",
         "0",
+        launch=SGLANG_LAUNCH,
     )
+
+
+def test_sglang_launcher_carries_magicdec_flags(sampler):
+    """`python -m sglang.launch_server` parses our flags and hands them to the worker with the
+    server arguments: the worker reports the values given, not the defaults (512 and 16)."""
+    info = sampler.server_info()["magicdec"]
+    assert (info["draft"], info["budget"], info["sinks"], info["gamma"]) == ("streaming", 32, 4, 3)
 
 
 @pytest.fixture(scope="module")

@@ -193,3 +193,38 @@ def test_store_bounds_idle_summaries():
         store.acquire(str(i), summary([i, i]), computed=True)
         store.release(str(i))
     assert [s.tokens for s in store.summaries()] == [(3, 3), (4, 4)]
+
+
+def test_debug_check_fails_for_a_stale_summary():
+    """`--magicdec-debug`'s check of a request drafting with its own prompt's summary: it passes
+    while the summary is anchored on the KV the request holds, and fails once the anchor is
+    stale (slots the request does not hold) or any of that KV is free."""
+    from types import SimpleNamespace
+
+    from sglang_magicdec.drafts import SnapKVSelection, StreamingDraft, StreamingSelection
+
+    selection = SnapKVSelection(
+        SnapKVDraft(budget=8, obs_window=2),
+        fallback=StreamingSelection(StreamingDraft(budget=8, sinks=2)),
+        model=torch.nn.Module(),
+        share_min_len=4,
+        min_context=4,
+    )
+    prompt = list(range(10))
+    slots = torch.arange(100, 110)
+    summary = Summary(
+        tokens=tuple(prompt),
+        positions=torch.arange(8, dtype=torch.int32).view(1, 1, 8),
+        margin=torch.zeros(1, 1, 0, dtype=torch.int32),
+        prompt_slots=slots[:-1].clone(),
+    )
+    selection.store.acquire("a", summary, computed=True)
+    req = SimpleNamespace(rid="a", origin_input_ids=prompt)
+    row = torch.cat([slots, torch.zeros(6, dtype=torch.int64)])  # its req_to_token row
+    nothing_free = torch.empty(0, dtype=torch.int64)
+    selection.check(req, row, nothing_free, 1)
+    with pytest.raises(AssertionError, match="freed"):
+        selection.check(req, row, torch.tensor([104]), 1)
+    summary.prompt_slots = slots[:-1] + 50
+    with pytest.raises(AssertionError, match="does not hold"):
+        selection.check(req, row, nothing_free, 1)

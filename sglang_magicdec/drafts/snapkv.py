@@ -18,6 +18,7 @@ from torch.nn.functional import avg_pool1d, max_pool1d
 from magicdec_kernels.snapkv_scores import snapkv_window_scores
 from sglang_magicdec.drafts.streaming import StreamingSelection
 from sglang_magicdec.observer import PendingWindow, WindowObserver
+from sglang_magicdec.plugin import RadixCacheListener, subscribe_to_radix_cache
 from sglang_magicdec.spec_info import DraftPositions, host_copy, to_device
 from sglang_magicdec.summaries import Summary, SummaryStore
 
@@ -89,7 +90,7 @@ class SnapKVDraft:
         return [range(summary_len, prompt_len), range(generated_start, committed_len)]
 
 
-class SnapKVSelection:
+class SnapKVSelection(RadixCacheListener):
     """The SnapKV draft inside the server: its summaries' whole lifecycle.
 
     Before a prefill forward (`before_extend`), each request starting its prompt either reuses
@@ -119,6 +120,7 @@ class SnapKVSelection:
         self.without_summary = 0  # long prompts that drafted with the streaming fallback
         self.observer = WindowObserver(model)
         self.layers = sorted(self.observer.layers, key=lambda layer: layer.layer_id)
+        subscribe_to_radix_cache(self)
 
     # -- prefill: plan, observe, score --------------------------------------------------------
 
@@ -263,12 +265,20 @@ class SnapKVSelection:
         return DraftPositions(holding.device_positions, recent)
 
     def check(self, req, row: torch.Tensor, free_pages, page_size) -> None:
-        """Debug mode: a request whose own prompt the summary describes holds that KV."""
+        """Debug mode: a summary of the request's own prompt is anchored on the KV the request
+        holds (its `req_to_token` row), and none of that KV is free. A summary whose anchor
+        went stale (KV the request no longer holds) fails here."""
         holding = self.store.held_by(req.rid)
-        if holding is None or free_pages is None or not free_pages.numel():
+        if holding is None:
             return
         summary = holding.summary
-        if holding.shared_len == summary.length == len(req.origin_input_ids):
+        if not holding.shared_len == summary.length == len(req.origin_input_ids):
+            return
+        held = row[: summary.prompt_slots.numel()].to(torch.int64).cpu()
+        assert torch.equal(summary.prompt_slots, held), (
+            f"request {req.rid}: its summary is anchored on KV slots it does not hold"
+        )
+        if free_pages is not None and free_pages.numel():
             summary_pages = summary.prompt_slots // page_size
             assert not bool(torch.isin(summary_pages, free_pages.cpu()).any()), (
                 "a held summary refers to freed KV slots"
@@ -280,8 +290,20 @@ class SnapKVSelection:
         self.store.release(rid)
         self.observer.pending.pop(rid, None)
 
-    def kv_freed(self, free_slots: torch.Tensor) -> None:
-        self.store.drop_freed(free_slots)
+    def kv_freed(self, allocator) -> None:
+        """Summaries stay shareable up to their first freed position (`SummaryStore.drop_freed`),
+        told by the allocator's free-page census."""
+        free = allocator.get_all_free_pages()
+        if free is None:
+            # SGLang calls this census a debug aid that may be unavailable: without it, no
+            # stored summary can be trusted to point at live KV.
+            logger.warning("MagicDec: no free-page census after an eviction; summaries dropped")
+            self.store.clear_unheld()
+            return
+        free = free.to(torch.int64).cpu()
+        if allocator.page_size > 1:
+            free = free[:, None] * allocator.page_size + torch.arange(allocator.page_size)
+        self.store.drop_freed(free.reshape(-1))
 
     def cache_reset(self) -> None:
         self.store.clear_unheld()

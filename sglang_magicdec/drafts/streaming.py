@@ -46,22 +46,10 @@ class StreamingSelection:
         return DraftPositions(None, self.policy.select(committed_len, len(req.origin_input_ids)))
 
     # Nothing kept across requests, nothing needed from the prefill.
-    def max_prefix_len(self, req, limit: int) -> int:
-        return limit
-
     def before_extend(self, batch, req_to_token: torch.Tensor) -> None:
         pass
 
     def after_extend(self, batch, req_to_token: torch.Tensor, kv_pool, failed: bool) -> None:
-        pass
-
-    def request_released(self, rid: str) -> None:
-        pass
-
-    def kv_freed(self, free_slots: torch.Tensor) -> None:
-        pass
-
-    def cache_reset(self) -> None:
         pass
 
     def check(self, req, row: torch.Tensor, free_pages, page_size) -> None:

@@ -1,0 +1,143 @@
+"""γ per decode batch: fixed (`--speculative-num-steps`), or under `--magicdec-gamma auto` the
+cost model's pick (`cost_model.py`), from the step costs timed here and the acceptance the
+worker reports after each round.
+
+Tensor-parallel ranks must run the same round, but each rank times its own steps, so each cost
+model may pick a different γ: the first rank's choice is broadcast to every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+
+import torch
+from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+from sglang_magicdec.cost_model import CostModel, Decision, StepCosts, bucket_key
+from sglang_magicdec.plugin import RadixCacheListener, subscribe_to_radix_cache
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RoundClock:
+    """When a round (or plain step) of a batch in cost-model `bucket` started, and when its
+    drafts were done."""
+
+    bucket: tuple[int, int]
+    started: float
+    drafted: float | None = None
+
+
+class GammaController(RadixCacheListener):
+    def __init__(self, gamma_max: int, auto: bool, tp_group, on_cuda: bool):
+        self.gamma_max = gamma_max
+        self.cost_model = CostModel(gamma_max=gamma_max) if auto else None
+        self.tp_group = tp_group
+        self.on_cuda = on_cuda
+        if auto:
+            subscribe_to_radix_cache(self)  # to forget a released request's acceptance
+
+    def choose(self, batch: ScheduleBatch) -> int:
+        """γ for this batch's round (0: a plain decode step)."""
+        if self.cost_model is None:
+            return self.gamma_max
+        previous = self.cost_model.last
+        mean_context = mean_committed(batch)
+        decision = self.cost_model.choose([req.rid for req in batch.reqs], mean_context)
+        if self.tp_group.world_size > 1:
+            decision = self._decided_by_first_rank(decision)
+        if previous is None or previous.gamma != decision.gamma:
+            logger.info(
+                "MagicDec γ %s -> %d (batch %d, mean context %d, %s, predicted %.2fx)",
+                "-" if previous is None else previous.gamma,
+                decision.gamma,
+                len(batch.reqs),
+                mean_context,
+                decision.reason,
+                decision.predicted_speedup,
+            )
+        return decision.gamma
+
+    # -- timing: only under γ = auto, which decides on it --------------------------------------
+
+    def start(self, batch: ScheduleBatch) -> RoundClock | None:
+        """Start timing a round or plain step of `batch` (its bookkeeping is part of its cost)."""
+        if self.cost_model is None:
+            return None
+        return RoundClock(CostModel.bucket(len(batch.reqs), mean_committed(batch)), self._now())
+
+    def drafted(self, clock: RoundClock | None) -> None:
+        if clock is not None:
+            clock.drafted = self._now()
+
+    def record_round(
+        self, clock: RoundClock | None, gamma: int, rids: list[str], accept_lens: torch.Tensor
+    ) -> None:
+        if clock is None:
+            return
+        round_seconds = self._now() - clock.started
+        draft_seconds = (clock.drafted - clock.started) / gamma
+        self.cost_model.record_round(clock.bucket, gamma, draft_seconds, round_seconds)
+        self.cost_model.record_acceptance(rids, accept_lens.tolist(), gamma)
+
+    def record_decode(self, clock: RoundClock | None) -> None:
+        if clock is not None:
+            self.cost_model.record_decode(clock.bucket, self._now() - clock.started)
+
+    def request_released(self, rid: str) -> None:
+        self.cost_model.forget(rid)
+
+    def _now(self) -> float:
+        """Wall time after the device has finished what was queued (the one synchronisation
+        per timed point)."""
+        if self.on_cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def _decided_by_first_rank(self, decision: Decision) -> Decision:
+        gamma = int(first_rank_values(self.tp_group, torch.tensor([decision.gamma])))
+        if gamma != decision.gamma:
+            decision = replace(decision, gamma=gamma, reason="first TP rank's choice")
+            self.cost_model.last = decision
+        return decision
+
+    def info(self) -> dict:
+        """The γ block of `/get_server_info`'s `magicdec`."""
+        if self.cost_model is None:
+            return {"gamma_mode": "fixed", "current_gamma": self.gamma_max}
+        last = self.cost_model.last
+        return {
+            "gamma_mode": "auto",
+            "current_gamma": None if last is None else last.gamma,
+            "predicted_speedup": None if last is None else last.predicted_speedup,
+            "gamma_reason": None if last is None else last.reason,
+            "alpha_prior": self.cost_model.prior(),
+            # The latest decision per (batch size, mean context) bucket, both rounded up to
+            # powers of two.
+            "gamma_by_bucket": {
+                bucket_key(bucket): {
+                    "gamma": decision.gamma,
+                    "predicted_speedup": decision.predicted_speedup,
+                    "reason": decision.reason,
+                    "model_gamma": self.cost_model.settled.get(bucket),
+                    **self.cost_model.costs.get(bucket, StepCosts()).milliseconds(),
+                }
+                for bucket, decision in sorted(self.cost_model.decisions.items())
+            },
+        }
+
+
+def mean_committed(batch: ScheduleBatch) -> float:
+    """The batch's mean committed length, from the scheduler's host copy when it has one."""
+    lengths = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else batch.seq_lens.cpu()
+    return int(lengths.sum()) / max(len(batch.reqs), 1)
+
+
+def first_rank_values(tp_group, values: torch.Tensor) -> torch.Tensor:
+    """`values` (an int64 CPU tensor) replaced in place by the first TP rank's, over the TP
+    group's CPU (gloo) group; every rank must call it at the same point."""
+    torch.distributed.broadcast(values, src=tp_group.ranks[0], group=tp_group.cpu_group)
+    return values
