@@ -109,6 +109,21 @@ class Decision:
     reason: str  # "model", "exploring", or the calibration step being measured
 
 
+def grid_ceiling(value: float) -> int:
+    """`value` rounded up on the bucket grid: 1 to 8, then four steps per octave (8, 10, 12, 14,
+    16, 20, 24, ...), so a bucket spans at most 25%.
+
+    Each cost is the fastest of its recent measurements, so a bucket must not mix steps of very
+    different sizes: with power-of-two buckets, the last rounds of a wave (its requests finish
+    at different rounds, the batch shrinks from 8 to 5) were the cheapest of bucket 8 and made
+    its rounds look 15-25% cheaper than a full batch's."""
+    value = max(1, math.ceil(value))
+    if value <= 8:
+        return value
+    step = 1 << (value.bit_length() - 3)
+    return -(-value // step) * step
+
+
 def bucket_key(bucket: tuple[int, int]) -> str:
     """How a (batch size, mean context) bucket is named in `/get_server_info`."""
     batch, context = bucket
@@ -120,7 +135,7 @@ class CostModel:
     Σ_requests Ω(γ, α_r) / T_round(γ), against batch / T_decode for γ = 0.
 
     Step times are measured online by the worker, bucketed by batch size and mean context length
-    (powers of two). The first bucket calibrates itself: its first rounds are
+    (`grid_ceiling`). The first bucket calibrates itself: its first rounds are
     `calibration_rounds` plain steps, then as many rounds at γ_max and at γ = 1 (two points of
     the round-time line, see `StepCosts`). A later bucket decides with the costs of its nearest
     calibrated neighbour until its own exploration has measured what it lacks. One round every
@@ -164,10 +179,7 @@ class CostModel:
 
     @staticmethod
     def bucket(batch_size: int, mean_context: float) -> tuple[int, int]:
-        return (
-            1 << max(0, math.ceil(math.log2(max(batch_size, 1)))),
-            1 << max(0, math.ceil(math.log2(max(mean_context, 1)))),
-        )
+        return grid_ceiling(batch_size), grid_ceiling(mean_context)
 
     # -- measurements ------------------------------------------------------------------------
 

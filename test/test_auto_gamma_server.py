@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_magicdec.cost_model import bucket_key
+from sglang_magicdec.cost_model import CostModel, bucket_key
 from test.helpers import POOL_ARGS, pg19_texts, run_concurrently
 
 pytestmark = pytest.mark.server  # starts real SGLang servers
@@ -33,6 +33,6 @@ def test_auto_gamma_speculates_at_long_context_and_batch_8(server_factory, token
     assert all(r["meta_info"]["completion_tokens"] == OUTPUT_LEN for r in results)
     # Requests finish at different rounds, so the batch shrinks at the end: read the decision
     # for the full batch, not the last one.
-    full_batch = info["gamma_by_bucket"][bucket_key((BATCH, 4096))]
+    full_batch = info["gamma_by_bucket"][bucket_key(CostModel.bucket(BATCH, PROMPT_LEN))]
     # The cost model's own choice: calibration and exploration rounds also run γ >= 1.
     assert full_batch["model_gamma"] is not None and full_batch["model_gamma"] >= 1, info

@@ -219,3 +219,40 @@ def test_hysteresis_keeps_gamma_against_small_predicted_gains():
     assert CostModel(3, hysteresis=gain * 0.9).best(costs, alphas, runner_up).gamma == best
     # Against γ = 0 (plain rate far below) the best γ wins at the default margin.
     assert CostModel(3).best(costs, alphas, current=0).gamma == best
+
+
+def test_bucket_grid_spans_at_most_a_quarter():
+    from sglang_magicdec.cost_model import grid_ceiling
+
+    assert [grid_ceiling(v) for v in (0, 1, 5, 8, 9, 11, 16, 17, 33)] == [
+        1,
+        1,
+        5,
+        8,
+        10,
+        12,
+        16,
+        20,
+        40,
+    ]
+    assert [grid_ceiling(v) for v in (4000, 4096, 4097, 7968.5, 8192)] == [
+        4096,
+        4096,
+        5120,
+        8192,
+        8192,
+    ]
+    for value in range(1, 5000):
+        ceiling = grid_ceiling(value)
+        assert value <= ceiling < value * 1.25 + 1
+
+
+def test_a_shrinking_batch_does_not_make_the_full_batch_look_cheaper():
+    """The last rounds of a wave run fewer requests (they finish at different rounds): their
+    cheaper rounds must not become the full batch's cost, which is the fastest of its recent."""
+    model = CostModel(gamma_max=3)
+    full, tail = CostModel.bucket(8, 4096), CostModel.bucket(5, 4096)
+    assert full != tail
+    model.record_round(full, 2, draft_seconds=0.03, round_seconds=0.31)
+    model.record_round(tail, 2, draft_seconds=0.02, round_seconds=0.22)
+    assert model.costs[full].round(2) == 0.31

@@ -45,7 +45,7 @@ def sampler(server_factory):
 def test_sglang_launcher_carries_magicdec_flags(sampler):
     """`python -m sglang.launch_server` parses our flags and hands them to the worker with the
     server arguments: the worker reports the values given, not the defaults (512 and 16)."""
-    info = sampler.server_info()["magicdec"]
+    info = sampler.server_info()["internal_states"][0]["magicdec"]
     assert (info["draft"], info["budget"], info["sinks"], info["gamma"]) == ("streaming", 32, 4, 3)
 
 
