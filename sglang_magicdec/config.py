@@ -169,12 +169,15 @@ _FLAGS = {
 SNAPKV_ONLY = ("obs_window", "pool", "pool_kernel", "share_min_len")
 
 
-def add_magicdec_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    """Add the `MagicDec` argument group (shown in --help); unset flags parse as None."""
+def add_magicdec_args(parser: argparse.ArgumentParser) -> None:
+    """Add the `MagicDec` argument group (shown in --help) unless `parser` has it already (our
+    hook on `ServerArgs.add_cli_args` adds it to every launcher's parser); unset flags parse as
+    None."""
+    if _FLAGS["draft"][0] in parser._option_string_actions:
+        return
     group = parser.add_argument_group(GROUP_TITLE, GROUP_DESCRIPTION)
     for field, (flag, options) in _FLAGS.items():
         group.add_argument(flag, dest=f"magicdec_{field}", **options)
-    return group
 
 
 def config_from_args(args: argparse.Namespace) -> MagicDecConfig | None:
@@ -224,8 +227,7 @@ def register() -> None:
 
 
 def _add_to_parser(result, parser: argparse.ArgumentParser, *args, **kwargs):
-    if "--magicdec-draft" not in parser._option_string_actions:
-        add_magicdec_args(parser)
+    add_magicdec_args(parser)
     return result
 
 

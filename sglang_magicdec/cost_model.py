@@ -263,7 +263,7 @@ class CostModel:
         ]
 
     def _nearest_calibrated(self, bucket: tuple[int, int]) -> tuple[int, int] | None:
-        """The calibrated bucket closest to `bucket` (in powers of two of batch and context):
+        """The calibrated bucket closest to `bucket` (in octaves of batch and context):
         a bucket a batch passes through briefly (the last requests of a wave, say) decides as
         its neighbour does instead of spending its few rounds on calibration."""
         batch, context = bucket

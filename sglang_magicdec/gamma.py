@@ -17,6 +17,7 @@ from sglang.srt.managers.schedule_batch import ScheduleBatch
 
 from sglang_magicdec.cost_model import CostModel, Decision, StepCosts, bucket_key
 from sglang_magicdec.plugin import RadixCacheListener, subscribe_to_radix_cache
+from sglang_magicdec.spec_info import host_seq_lens
 
 logger = logging.getLogger(__name__)
 
@@ -115,8 +116,8 @@ class GammaController(RadixCacheListener):
             "predicted_speedup": None if last is None else last.predicted_speedup,
             "gamma_reason": None if last is None else last.reason,
             "alpha_prior": self.cost_model.prior(),
-            # The latest decision per (batch size, mean context) bucket, both rounded up to
-            # powers of two.
+            # The latest decision per (batch size, mean context) bucket, both rounded up on
+            # `cost_model.grid_ceiling`'s grid.
             "gamma_by_bucket": {
                 bucket_key(bucket): {
                     "gamma": decision.gamma,
@@ -131,9 +132,8 @@ class GammaController(RadixCacheListener):
 
 
 def mean_committed(batch: ScheduleBatch) -> float:
-    """The batch's mean committed length, from the scheduler's host copy when it has one."""
-    lengths = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else batch.seq_lens.cpu()
-    return int(lengths.sum()) / max(len(batch.reqs), 1)
+    """The batch's mean committed length."""
+    return int(host_seq_lens(batch).sum()) / max(len(batch.reqs), 1)
 
 
 def first_rank_values(tp_group, values: torch.Tensor) -> torch.Tensor:

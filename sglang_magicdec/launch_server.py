@@ -33,8 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = _OneLineParser(prog=PROG, description=__doc__.splitlines()[0])
     ServerArgs.add_cli_args(parser)
-    if "--magicdec-draft" not in parser._option_string_actions:
-        add_magicdec_args(parser)  # plugins not loaded: --help still shows our flags
+    add_magicdec_args(parser)  # without our plugin loaded, --help still shows our flags
     model_path = parser._option_string_actions["--model-path"]
     model_path.required = False
     model_path.default = None

@@ -96,6 +96,12 @@ def to_device(host: torch.Tensor, device) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
+def host_seq_lens(batch) -> torch.Tensor:
+    """The batch's committed lengths on the host: the scheduler keeps a host copy for every
+    batch the worker sees; else one copy."""
+    return batch.seq_lens_cpu if batch.seq_lens_cpu is not None else batch.seq_lens.cpu()
+
+
 def host_copy(device_tensor: torch.Tensor) -> torch.Tensor:
     """A host copy that does not wait for the device: on CUDA, an asynchronous copy into
     pinned memory, complete once the stream has run past this point (the scheduler waits for

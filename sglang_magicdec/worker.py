@@ -39,7 +39,13 @@ from sglang_magicdec.debug_checks import check_ranks_agree, check_selection
 from sglang_magicdec.drafts import make_selection
 from sglang_magicdec.gamma import GammaController, RoundClock
 from sglang_magicdec.metrics import MagicDecMetrics
-from sglang_magicdec.spec_info import DraftPositions, DraftRound, MagicDecInput, to_device
+from sglang_magicdec.spec_info import (
+    DraftPositions,
+    DraftRound,
+    MagicDecInput,
+    host_seq_lens,
+    to_device,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +62,7 @@ class Committed:
 
     @classmethod
     def of(cls, batch: ScheduleBatch) -> Committed:
-        # The scheduler keeps a host copy for every batch the worker sees; else copy once.
-        host = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else batch.seq_lens.cpu()
+        host = host_seq_lens(batch)
         lengths = host.tolist()
         return cls(batch.seq_lens.to(torch.int64), host.to(torch.int64), lengths, sum(lengths))
 
