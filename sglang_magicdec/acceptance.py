@@ -58,11 +58,20 @@ def acceptor_for(
     uniforms = torch.rand(len(batch.reqs), 2 * gamma + 1, generator=rng)
     info = batch.sampling_info
     return SampledAcceptor(
-        params=(info.temperatures.view(-1), info.top_ks, info.top_ps, info.min_ps),
+        temperatures=info.temperatures.view(-1),
+        filters=batch_filters(info),
         uniforms=to_device(uniforms, device),
         committed=committed,
         seeded=SeededRows.of(batch, device),
     )
+
+
+def batch_filters(info) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The rows' (top-k, top-p, min-p) from a batch's `SamplingBatchInfo`, or None when no row
+    filters (SGLang's host flags say so; no device read)."""
+    if info.need_top_k_sampling or info.need_top_p_sampling or info.need_min_p_sampling:
+        return info.top_ks, info.top_ps, info.min_ps
+    return None
 
 
 class GreedyAcceptor:
@@ -78,14 +87,15 @@ class GreedyAcceptor:
 
 @dataclass
 class SampledAcceptor:
-    params: tuple[torch.Tensor, ...]  # per row: temperature, top-k, top-p, min-p
+    temperatures: torch.Tensor  # [B]
+    filters: tuple[torch.Tensor, ...] | None  # per row: top-k, top-p, min-p (`batch_filters`)
     uniforms: torch.Tensor  # [B, 2γ+1]
     committed: torch.Tensor  # [B] S: draft step j samples position S + j
     seeded: SeededRows | None
     draft_probs: list[torch.Tensor] = field(default_factory=list)  # q_1.. as proposed
 
     def propose(self, logits: torch.Tensor, step: int) -> torch.Tensor:
-        probs = sampling_probs(logits, *self.params)
+        probs = sampling_probs(logits, self.temperatures, self.filters)
         self.draft_probs.append(probs)
         tokens = sample_from(probs, self.uniforms[:, step])
         if self.seeded is not None:
@@ -97,8 +107,9 @@ class SampledAcceptor:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         batch, width = tokens.shape
         gamma = width - 1
-        params = (param.repeat_interleave(width) for param in self.params)
-        target_probs = sampling_probs(logits, *params).view(batch, width, -1)
+        filters = self.filters and tuple(f.repeat_interleave(width) for f in self.filters)
+        temperatures = self.temperatures.repeat_interleave(width)
+        target_probs = sampling_probs(logits, temperatures, filters).view(batch, width, -1)
         target, accept_lens = chain_rejection_sample(
             tokens[:, 1:],
             torch.stack(self.draft_probs, dim=1),
@@ -163,13 +174,11 @@ class SeededRows:
         sampler's probabilities `probs` [B, V] (softmax of logits / temperature), filtered by
         the rows' top-k, top-p and min-p as a speculative round filters them."""
         rows = self.index
-        filtered = filtered_probs(
-            probs.index_select(0, rows),
-            info.top_ks.index_select(0, rows),
-            info.top_ps.index_select(0, rows),
-            info.min_ps.index_select(0, rows),
-        )
-        tokens = seeded_sample(filtered, self.seeds, positions.index_select(0, rows))
+        probs = probs.index_select(0, rows)
+        filters = batch_filters(info)
+        if filters is not None:
+            probs = filtered_probs(probs, *(f.index_select(0, rows) for f in filters))
+        tokens = seeded_sample(probs, self.seeds, positions.index_select(0, rows))
         sampled.index_copy_(0, rows, tokens.to(sampled.dtype))
 
 

@@ -23,20 +23,21 @@ import torch
 def sampling_probs(
     logits: torch.Tensor,
     temperatures: torch.Tensor,
-    top_ks: torch.Tensor,
-    top_ps: torch.Tensor,
-    min_ps: torch.Tensor,
+    filters: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
 ) -> torch.Tensor:
-    """[N, V] logits → [N, V] normalised float32 probabilities after the sampling transforms.
-    Parameters are per row ([N] or [N, 1])."""
+    """[N, V] logits → [N, V] normalised float32 probabilities after the sampling transforms:
+    temperature ([N] or [N, 1]), then `filters`, the rows' (top-k, top-p, min-p), or None when
+    no row of the batch filters (the sort over the vocabulary is then skipped)."""
     probs = torch.softmax(logits.float() / temperatures.view(-1, 1).float(), dim=-1)
-    return filtered_probs(probs, top_ks, top_ps, min_ps)
+    return probs if filters is None else filtered_probs(probs, *filters)
 
 
 def filtered_probs(
     probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor
 ) -> torch.Tensor:
-    """Top-k, then top-p and min-p, of [N, V] probabilities (after temperature), renormalised."""
+    """Top-k, then top-p and min-p, of [N, V] probabilities (after temperature), renormalised.
+    A row that drops nothing is returned as it came, bit for bit, so a row's distribution does
+    not depend on whether other rows of its batch filter."""
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     rank = torch.arange(probs.shape[-1], device=probs.device)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
@@ -44,7 +45,8 @@ def filtered_probs(
     dropped |= sorted_probs < sorted_probs[:, :1] * min_ps.view(-1, 1)
     sorted_probs = sorted_probs.masked_fill(dropped, 0.0)
     filtered = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return filtered / filtered.sum(dim=-1, keepdim=True)
+    renormalised = filtered / filtered.sum(dim=-1, keepdim=True)
+    return torch.where(dropped.any(dim=-1, keepdim=True), renormalised, probs)
 
 
 _MASK32 = 0xFFFFFFFF

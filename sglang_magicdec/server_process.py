@@ -32,6 +32,7 @@ class ServerProcess:
     url: str
     process: subprocess.Popen
     log_path: Path
+    _terminated: bool = False
 
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -44,14 +45,20 @@ class ServerProcess:
     def server_info(self) -> dict:
         return requests.get(f"{self.url}/get_server_info", timeout=30).json()
 
-    def stop(self) -> None:
-        if self.process.poll() is None:
+    def stop(self, wait: bool = True) -> None:
+        """SIGTERM: SGLang drains and exits, which takes it ~5 s (its shutdown watchdog polls
+        every 5 s). `wait=False` returns at once, for a caller that starts other work meanwhile
+        and calls stop() again later to wait; a server that has not exited 30 s later is killed."""
+        if self.process.poll() is None and not self._terminated:
             self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+            self._terminated = True
+        if not wait:
+            return
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
 
 
 def start_server(

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from sglang_magicdec.server_process import LAUNCH, ServerProcess, start_server
-from test.helpers import GAMMA, POOL_ARGS, pg19_acceptance_prompts, run_concurrently
+from test.helpers import GAMMA, POOL_ARGS, SNAPKV, pg19_acceptance_prompts, run_concurrently
 
 # No model hub at run time: a test that reaches for the network must fail, not hang.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -27,6 +27,8 @@ def _server_factory(tmp_path_factory) -> Iterator:
         return server
 
     yield factory
+    for server in started:  # all drain at once
+        server.stop(wait=False)
     for server in started:
         server.stop()
 
@@ -52,7 +54,7 @@ _LAST_USER: dict[str, str] = {}
 
 def pytest_collection_modifyitems(items) -> None:
     for item in items:
-        for name in ("plain", "streaming"):
+        for name in ("plain", "streaming", "snap"):
             if name in getattr(item, "fixturenames", ()):
                 _LAST_USER[name] = item.nodeid
 
@@ -60,7 +62,8 @@ def pytest_collection_modifyitems(items) -> None:
 def pytest_runtest_teardown(item) -> None:
     for name, last in _LAST_USER.items():
         if last == item.nodeid and name in SESSION_SERVERS:
-            SESSION_SERVERS.pop(name).stop()
+            # The next test goes on while it drains; the session factory waits for it at the end.
+            SESSION_SERVERS.pop(name).stop(wait=False)
 
 
 @pytest.fixture(scope="session")
@@ -84,6 +87,16 @@ def streaming(session_server_factory) -> ServerProcess:
         "--magicdec-debug",
     )
     return SESSION_SERVERS["streaming"]
+
+
+@pytest.fixture(scope="session")
+def snap(session_server_factory) -> ServerProcess:
+    """MAGICDEC with the SnapKV draft, checking every draft selection (debug), with Prometheus
+    metrics refreshed after every decode batch: the SnapKV modules and the fuzz share it."""
+    metrics = ("--enable-metrics", "--decode-log-interval", "1")
+    args = (*POOL_ARGS, *SNAPKV, "--magicdec-debug", *metrics)
+    SESSION_SERVERS["snap"] = session_server_factory(*args)
+    return SESSION_SERVERS["snap"]
 
 
 @pytest.fixture(scope="session")

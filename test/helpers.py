@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import requests
@@ -21,6 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(os.environ.get("MAGICDEC_DATA", REPO.parent / "shared" / "data"))
 
 GAMMA = 3
+T = TypeVar("T")
 
 # Tests of our CPU platform's defaults only hold on a machine without a GPU (there SGLang's CUDA
 # platform is active and our plugin stays out of the way).
@@ -30,6 +33,7 @@ ON_CPU_MACHINE = pytest.mark.skipif(
 )
 # float32 and a fixed pool, so MAGICDEC and plain servers compute the same thing.
 POOL_ARGS = ("--dtype", "float32", "--max-total-tokens", "60000")
+SNAPKV = ("--speculative-algorithm", "MAGICDEC", "--magicdec-draft", "snapkv")
 
 
 def pg19_acceptance_prompts(tokenizer) -> list[list[int]]:
@@ -54,6 +58,21 @@ def greedy(server, input_ids, max_new_tokens, **params) -> dict:
 def run_concurrently(server, prompts, max_new_tokens, **params) -> list[dict]:
     with ThreadPoolExecutor(len(prompts)) as pool:
         return list(pool.map(lambda ids: greedy(server, ids, max_new_tokens, **params), prompts))
+
+
+def start_together(*starts: Callable[[], T]) -> list[T]:
+    """Run server starts (zero-argument calls of a factory) at once. A start is mostly Python
+    importing SGLang on one core, so two on this machine's two cores take ~1.5x one, not 2x."""
+    with ThreadPoolExecutor(len(starts)) as pool:
+        futures = [pool.submit(start) for start in starts]
+    failed = [future.exception() for future in futures if future.exception() is not None]
+    if failed:  # stop what did start (a server, or what holds one), then fail as the first did
+        for future in futures:
+            if future.exception() is None:
+                result = future.result()
+                (result[0] if isinstance(result, tuple) else result).stop()
+        raise failed[0]
+    return [future.result() for future in futures]
 
 
 def flush_when_idle(server, timeout_s: float = 60) -> dict:

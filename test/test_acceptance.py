@@ -19,6 +19,7 @@ from sglang_magicdec.gamma import GammaController
 from sglang_magicdec.sampling import greedy_accept, seeded_sample
 
 VOCAB = 11
+TOP_K_ALL = 1 << 30  # SGLang's top-k of a request that sets none
 
 
 def make_batch(seeds: list[int | None], top_ks: list[int], seq_lens: list[int]):
@@ -34,6 +35,10 @@ def make_batch(seeds: list[int | None], top_ks: list[int], seq_lens: list[int]):
         top_ks=torch.tensor(top_ks),
         top_ps=torch.ones(count),
         min_ps=torch.zeros(count),
+        # SGLang's host flags: which filters any row applies (top-k 1 marks a greedy row).
+        need_top_k_sampling=any(k != TOP_K_ALL for k in top_ks),
+        need_top_p_sampling=False,
+        need_min_p_sampling=False,
     )
     lengths = torch.tensor(seq_lens)
     return SimpleNamespace(reqs=reqs, sampling_info=info, seq_lens=lengths, seq_lens_cpu=lengths)
@@ -79,11 +84,13 @@ def test_sampled_acceptor_keeps_greedy_rows_greedy():
 
 
 @pytest.mark.parametrize("uniform_seed", [0, 1, 2])
-def test_seeded_rows_depend_on_their_seed_not_on_the_uniforms(uniform_seed):
+@pytest.mark.parametrize("top_k", [VOCAB, TOP_K_ALL])  # a filter that drops nothing; none
+def test_seeded_rows_depend_on_their_seed_not_on_the_uniforms(uniform_seed, top_k):
     """Row 1 samples with a seed: its drafts are the seeded draws of the draft's distribution at
     S + step, its accepted chain the seeded draws of the target's, whatever uniforms the round
-    drew; row 0 (unseeded) follows the uniforms."""
-    batch = make_batch([None, 1234], [VOCAB, VOCAB], [10, 20])
+    drew, and whether the batch's rows are filtered or not; row 0 (unseeded) follows the
+    uniforms."""
+    batch = make_batch([None, 1234], [top_k, top_k], [10, 20])
     rng = torch.Generator().manual_seed(uniform_seed)
     acceptor = acceptor_for(batch, 2, batch.seq_lens, rng, "cpu")
     assert isinstance(acceptor, SampledAcceptor) and acceptor.seeded is not None

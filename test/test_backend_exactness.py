@@ -5,7 +5,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from test.helpers import BF16_TIE_GAP, GAMMA, assert_same_or_tie, pg19_texts
+from test.helpers import BF16_TIE_GAP, GAMMA, assert_same_or_tie, pg19_texts, start_together
 
 pytestmark = pytest.mark.server  # starts real SGLang servers
 
@@ -36,19 +36,24 @@ def stock_outputs(server_factory, prompts):
     try:
         return _greedy_batch(stock, prompts)
     finally:
-        stock.stop()  # two cores: never two servers decoding at once
+        stock.stop(wait=False)  # two cores: never two servers decoding at once
 
 
 @pytest.mark.parametrize("backend", ["magicdec_cpu", "magicdec_cpu_torch"])
 def test_greedy_tokens_identical_to_torch_native_fp32(
-    server_factory, prompts, stock_outputs, backend
+    server_factory, plain, prompts, stock_outputs, backend
 ):
-    ours = server_factory("--dtype", "float32", "--attention-backend", backend)
-    try:
+    """magicdec_cpu is the CPU default: the session's `plain` server (float32) runs it."""
+    if backend == plain.server_info()["attention_backend"]:
+        ours = plain
         our_outputs = _greedy_batch(ours, prompts)
-        assert "native CPU kernels unavailable" not in ours.log_path.read_text()
-    finally:
-        ours.stop()
+    else:
+        ours = server_factory("--dtype", "float32", "--attention-backend", backend)
+        try:
+            our_outputs = _greedy_batch(ours, prompts)
+        finally:
+            ours.stop(wait=False)
+    assert "native CPU kernels unavailable" not in ours.log_path.read_text()
     for index, (got, expected) in enumerate(zip(our_outputs, stock_outputs, strict=True)):
         assert len(got) == NEW_TOKENS
         first_diff = next(
@@ -62,16 +67,16 @@ def test_magicdec_bf16_greedy_matches_plain_bf16(server_factory, prompts):
     a tie of the bf16 target (top-2 logprob gap below `BF16_TIE_GAP`, two bf16 rounding steps
     of the logits, since a verify pass and a decode step round differently)."""
     common = ("--dtype", "bfloat16", "--max-total-tokens", "8000")
-    plain = server_factory(*common)
-    expected = _greedy_batch(plain, prompts)
-    magicdec = server_factory(
-        *common, "--speculative-algorithm", "MAGICDEC", "--speculative-num-steps", str(GAMMA)
+    speculative = ("--speculative-algorithm", "MAGICDEC", "--speculative-num-steps", str(GAMMA))
+    plain, magicdec = start_together(
+        lambda: server_factory(*common), lambda: server_factory(*common, *speculative)
     )
+    expected = _greedy_batch(plain, prompts)
     try:
         got = _greedy_batch(magicdec, prompts)
         rounds = magicdec.server_info()["internal_states"][0]["magicdec"]["verify_rounds"]
     finally:
-        magicdec.stop()
+        magicdec.stop(wait=False)
     assert rounds > 0
     for index, (prompt, ours, theirs) in enumerate(zip(prompts, got, expected, strict=True)):
         assert_same_or_tie(plain, prompt, ours, theirs, f"bf16 prompt {index}", BF16_TIE_GAP)

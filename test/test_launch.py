@@ -11,9 +11,7 @@ import pytest
 
 from sglang_magicdec.launch_server import LaunchError, prepare
 from sglang_magicdec.server_process import LAUNCH
-from test.helpers import REPO
-
-SNAPKV = ["--speculative-algorithm", "MAGICDEC", "--magicdec-draft", "snapkv"]
+from test.helpers import REPO, SNAPKV
 
 
 def _launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -73,23 +73,36 @@ def test_sampling_probs_transforms():
     probs = sampling_probs(
         logits,
         temperatures=torch.tensor([1.0, 1.0, 1.0, 1.0]),
-        top_ks=torch.tensor([4, 2, 4, 1]),
-        top_ps=torch.tensor([1.0, 1.0, 0.7, 1.0]),
-        min_ps=torch.tensor([0.0, 0.0, 0.0, 0.0]),
+        filters=(
+            torch.tensor([4, 2, 4, 1]),
+            torch.tensor([1.0, 1.0, 0.7, 1.0]),
+            torch.tensor([0.0, 0.0, 0.0, 0.0]),
+        ),
     )
     assert torch.allclose(probs[0], torch.tensor([0.5, 0.3, 0.15, 0.05]))
     assert torch.allclose(probs[1], torch.tensor([0.625, 0.375, 0, 0]))
     # top-p 0.7: tokens whose preceding mass is <= 0.7 stay (SGLang's rule): 0.5, 0.3.
     assert torch.allclose(probs[2], torch.tensor([0.625, 0.375, 0, 0]))
     assert torch.allclose(probs[3], torch.tensor([1.0, 0, 0, 0]))
-    min_p = sampling_probs(
-        logits[:1], torch.tensor([1.0]), torch.tensor([4]), torch.tensor([1.0]), torch.tensor([0.5])
-    )
+    only_min_p = (torch.tensor([4]), torch.tensor([1.0]), torch.tensor([0.5]))
+    min_p = sampling_probs(logits[:1], torch.tensor([1.0]), only_min_p)
     assert torch.allclose(min_p[0], torch.tensor([0.625, 0.375, 0, 0]))
-    hot = sampling_probs(
-        logits[:1], torch.tensor([0.5]), torch.tensor([4]), torch.tensor([1.0]), torch.tensor([0.0])
-    )
+    hot = sampling_probs(logits[:1], torch.tensor([0.5]), filters=None)
     assert torch.allclose(hot[0], torch.softmax(logits[0] / 0.5, dim=0))
+
+
+def test_a_row_that_filters_nothing_keeps_its_probabilities_bit_for_bit():
+    """Whether its batch filters (another row has a top-p) or not (no sort at all), a row with
+    no top-k, top-p or min-p gets the same probabilities: its seeded draws cannot depend on
+    what runs beside it."""
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(0))
+    temperatures = torch.tensor([0.7, 0.7, 0.7])
+    alone = sampling_probs(logits, temperatures, filters=None)
+    filters = (torch.tensor([1 << 30, 50, 1 << 30]), torch.tensor([1.0, 1.0, 0.9]),
+               torch.tensor([0.0, 0.0, 0.0]))  # fmt: skip
+    beside = sampling_probs(logits, temperatures, filters)
+    assert torch.equal(beside[0], alone[0])
+    assert not torch.equal(beside[1], alone[1]) and not torch.equal(beside[2], alone[2])
 
 
 def test_sample_from_inverse_cdf():

@@ -24,7 +24,7 @@ import torch
 
 from sglang_magicdec.sampling import counter_uniforms
 from sglang_magicdec.server_process import LAUNCH, ServerProcess, free_port, start_server
-from test.helpers import TIE_GAP, assert_same_or_tie, pg19_prompts, pg19_texts
+from test.helpers import TIE_GAP, assert_same_or_tie, pg19_prompts, pg19_texts, start_together
 
 pytestmark = pytest.mark.server  # starts real SGLang servers
 
@@ -44,13 +44,18 @@ UNSEEDED = [{"temperature": 0.8, "top_p": 0.9}] * 2
 VOCAB = 49152  # the tiny model's (SmolLM2's)
 
 
+# Servers stopped by `serving` drain while the next test starts; the module waits for them.
+DRAINING: list[ServerProcess] = []
+
+
 @contextmanager
 def serving(log_dir, *args: str) -> Iterator[ServerProcess]:
     server = start_server(list(args), log_dir)
     try:
         yield server
     finally:
-        server.stop()
+        server.stop(wait=False)
+        DRAINING.append(server)
 
 
 class StartedOnUse:
@@ -70,8 +75,10 @@ class StartedOnUse:
 
 
 @pytest.fixture(scope="module")
-def log_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("scale-out-logs")
+def log_dir(tmp_path_factory) -> Iterator:
+    yield tmp_path_factory.mktemp("scale-out-logs")
+    while DRAINING:
+        DRAINING.pop().stop()
 
 
 @pytest.fixture(scope="module")
@@ -235,53 +242,34 @@ def assert_seeded_same_or_race_tie(reference, prompts, got, expected, label: str
 
 def test_tp2_magicdec_lossless_and_seeded_sampling_fixed(log_dir, tiny_args, prompts, tp2_outputs,
                                                          tie_tp2):  # fmt: skip
-    """MAGICDEC at TP 2, StreamingLLM at γ = 3 and SnapKV at γ = auto, debug mode checking every
-    round that both ranks committed the same tokens:
+    """MAGICDEC at TP 2 on one node (SnapKV at γ = auto) and on two (`--nnodes 2`: SGLang's
+    multi-node path, two launchers joined through --dist-init-addr, one rank each, node 1
+    serving no HTTP; StreamingLLM at γ = 3), debug mode checking every round that both ranks
+    committed the same tokens:
     - greedy: the plain TP 2 server's tokens on the ragged batch;
     - sampled (temperature 0.8), 4 requests with a `sampling_seed` beside 2 without, each bounded
       by a timeout (a rank waiting on another would hang): a seed fixes the whole output, run
-      after run, whatever γ = auto chose and whichever draft proposed."""
-    drafts = {
-        "streaming γ=3": ("--magicdec-draft", "streaming", "--speculative-num-steps", "3"),
-        "snapkv γ=auto": ("--magicdec-gamma", "auto", "--speculative-num-steps", "4"),
-    }
+      after run, whatever γ = auto chose, whichever draft proposed and over however many nodes."""
     seeded = {}
-    for draft, args in drafts.items():
-        with serving(log_dir, *tiny_args, "--tp", "2", *SNAPKV, *args) as server:
-            got = output_ids(generate_all(server, prompts))
-            assert_outputs_match(tie_tp2, prompts, got, output_ids(tp2_outputs), f"TP 2 {draft}")
-            greedy_state = magicdec_states(server)[0]
-            assert greedy_state["verify_rounds"] > 0, greedy_state
-            seeded[draft] = sampled_outputs(server, prompts)
-            assert_seeded_same_or_race_tie(
-                tie_tp2, prompts, sampled_outputs(server, prompts), seeded[draft], draft
-            )
-            state = magicdec_states(server)[0]
-            assert state["verify_rounds"] > greedy_state["verify_rounds"], "sampling never drafted"
-            gammas = {key: v["gamma"] for key, v in state.get("gamma_by_bucket", {}).items()}
-            print(f"\nTP 2 {draft}: greedy acceptance {greedy_state['draft_acceptance_rate']:.3f};"
-                  f" γ by bucket while sampling {gammas}")  # fmt: skip
-    assert_seeded_same_or_race_tie(
-        tie_tp2, prompts, seeded["streaming γ=3"], seeded["snapkv γ=auto"], "across drafts"
-    )
-
-
-def test_two_nodes_over_loopback_match_one(log_dir, tiny_args, tmp_path, prompts, tp2_outputs,
-                                           tie_tp2):  # fmt: skip
-    """`--nnodes 2`: SGLang's multi-node path, two launchers joined through --dist-init-addr,
-    one rank each; node 1 serves no HTTP. Greedy MAGICDEC gives single-node TP 2's tokens."""
-    shared = (*tiny_args, "--tp", "2", "--nnodes", "2", "--dist-init-addr",
-              f"127.0.0.1:{free_port()}", *SNAPKV, "--speculative-num-steps", "3")  # fmt: skip
-    node1_log = tmp_path / "node1.log"
+    one_node = (*tiny_args, "--tp", "2", *SNAPKV, "--magicdec-gamma", "auto",
+                "--speculative-num-steps", "4")  # fmt: skip
+    with serving(log_dir, *one_node) as server:
+        seeded["one node, snapkv γ=auto"] = greedy_then_seeded_twice(
+            server, prompts, tp2_outputs, tie_tp2, "one node, snapkv γ=auto"
+        )
+    two_nodes = (*tiny_args, "--tp", "2", "--nnodes", "2", "--dist-init-addr",
+                 f"127.0.0.1:{free_port()}", *SNAPKV, "--magicdec-draft", "streaming",
+                 "--speculative-num-steps", "3")  # fmt: skip
+    node1_log = log_dir / "node1.log"
     with node1_log.open("w") as log:
         node1 = subprocess.Popen(
-            [*LAUNCH, *shared, "--node-rank", "1"], stdout=log, stderr=subprocess.STDOUT
+            [*LAUNCH, *two_nodes, "--node-rank", "1"], stdout=log, stderr=subprocess.STDOUT
         )
     try:
-        with serving(log_dir, *shared, "--node-rank", "0") as node0:
-            got = output_ids(generate_all(node0, prompts))
-            assert_outputs_match(tie_tp2, prompts, got, output_ids(tp2_outputs), "two nodes")
-            assert magicdec_states(node0)[0]["verify_rounds"] > 0
+        with serving(log_dir, *two_nodes, "--node-rank", "0") as node0:
+            seeded["two nodes, streaming γ=3"] = greedy_then_seeded_twice(
+                node0, prompts, tp2_outputs, tie_tp2, "two nodes, streaming γ=3"
+            )
         assert node1.poll() is None or node1.returncode == 0, node1_log.read_text()[-3000:]
     finally:
         node1.terminate()
@@ -289,6 +277,24 @@ def test_two_nodes_over_loopback_match_one(log_dir, tiny_args, tmp_path, prompts
             node1.wait(timeout=30)
         except subprocess.TimeoutExpired:
             node1.kill()
+    assert_seeded_same_or_race_tie(tie_tp2, prompts, *seeded.values(), "across drafts and nodes")
+
+
+def greedy_then_seeded_twice(server, prompts, tp2_outputs, tie_tp2, label: str) -> list[list[int]]:
+    """Greedy outputs checked against plain TP 2's, then the seeded batch run twice and checked
+    against itself; returns the seeded outputs."""
+    got = output_ids(generate_all(server, prompts))
+    assert_outputs_match(tie_tp2, prompts, got, output_ids(tp2_outputs), f"TP 2 {label}")
+    greedy_state = magicdec_states(server)[0]
+    assert greedy_state["verify_rounds"] > 0, greedy_state
+    seeded, again = sampled_outputs(server, prompts), sampled_outputs(server, prompts)
+    assert_seeded_same_or_race_tie(tie_tp2, prompts, again, seeded, label)
+    state = magicdec_states(server)[0]
+    assert state["verify_rounds"] > greedy_state["verify_rounds"], "sampling never drafted"
+    gammas = {key: v["gamma"] for key, v in state.get("gamma_by_bucket", {}).items()}
+    print(f"\nTP 2 {label}: greedy acceptance {greedy_state['draft_acceptance_rate']:.3f};"
+          f" γ by bucket while sampling {gammas}")  # fmt: skip
+    return seeded
 
 
 def test_dp2_summarises_each_document_once_per_worker(log_dir, tiny_args, documents, tokenizer,
@@ -355,10 +361,9 @@ def test_router_sends_a_document_to_one_worker(log_dir, tiny_args, documents, to
                                                tp1_outputs, tie_tp1, tmp_path):  # fmt: skip
     """sglang-router (cache-aware) in front of two MAGICDEC servers: each document's questions
     go to one worker, so each document is summarised once, and outputs equal one server's."""
-    with (
-        serving(log_dir, *tiny_args, *SNAPKV) as first,
-        serving(log_dir, *tiny_args, *SNAPKV) as second,
-    ):
+    workers = start_together(*[lambda: start_server([*tiny_args, *SNAPKV], log_dir)] * 2)
+    try:
+        first, second = workers
         with routing([first.url, second.url], tmp_path / "router.log") as router:
             for questions, expected in zip(documents, tp1_outputs["documents"], strict=True):
                 got = output_ids(generate_all(router, questions))
@@ -370,6 +375,10 @@ def test_router_sends_a_document_to_one_worker(log_dir, tiny_args, documents, to
             for worker in (first, second)
             for state in magicdec_states(worker)
         ]
+    finally:
+        for worker in workers:
+            worker.stop(wait=False)
+            DRAINING.append(worker)
     print(f"\nrouter (computed, reused) per worker: {counts}")
     assert sum(computed for computed, _ in counts) == len(documents), counts
     assert sum(reused for _, reused in counts) == sum(len(q) for q in documents) - len(documents)

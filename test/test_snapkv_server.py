@@ -16,6 +16,7 @@ import requests
 from test.helpers import (
     POOL_ARGS,
     REPO,
+    SNAPKV,
     assert_same_or_tie,
     flush_when_idle,
     greedy,
@@ -31,17 +32,9 @@ import shared_doc_qa  # noqa: E402
 
 pytestmark = pytest.mark.server  # starts real SGLang servers
 
-SNAPKV = ("--speculative-algorithm", "MAGICDEC", "--magicdec-draft", "snapkv")
 MIN_ALPHA_GAIN = 0.02  # the SnapKV paper's claim over StreamingLLM at equal budget
 OBS_WINDOW = 32  # --magicdec-obs-window's default
 COUNTERS = ("summaries_computed", "summaries_reused", "drafts_without_summary")
-
-
-@pytest.fixture(scope="module")
-def snap(server_factory):
-    # Metrics on, refreshed after every decode batch: test_prometheus_metrics_describe_magicdec.
-    metrics = ("--enable-metrics", "--decode-log-interval", "1")
-    return server_factory(*POOL_ARGS, *SNAPKV, "--magicdec-debug", *metrics)
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +109,7 @@ def test_chunked_prefill_selects_the_same_positions(snap, server_factory, tokeni
     in_chunks = greedy(chunked, prompt, 4)
     assert summary_of(one_shot)["status"] == summary_of(in_chunks)["status"] == "computed"
     assert summary_of(in_chunks)["digest"] == summary_of(one_shot)["digest"]
-    chunked.stop()
+    chunked.stop(wait=False)
 
 
 def test_shared_document_computes_one_summary(snap, plain, tokenizer):

@@ -69,8 +69,10 @@ def magicdec_info(server) -> dict:
     "label,extra",
     [
         ("streaming", ("--magicdec-draft", "streaming", "--magicdec-debug")),
-        ("snapkv", ("--magicdec-draft", "snapkv", "--magicdec-debug")),
-        ("snapkv, γ = auto", ("--magicdec-draft", "snapkv", "--magicdec-gamma", "auto")),
+        (
+            "snapkv, γ = auto",
+            ("--magicdec-draft", "snapkv", "--magicdec-gamma", "auto", "--magicdec-debug"),
+        ),
     ],
 )
 def test_greedy_identical_to_plain_triton(
@@ -90,4 +92,4 @@ def test_greedy_identical_to_plain_triton(
             summaries = [r["meta_info"]["magicdec_summary"][0]["status"] for r in results]
             assert "none" not in summaries, summaries  # each request drafted from its own summary
     finally:
-        server.stop()  # each server is ~2.5 GB under the interpreter: one at a time
+        server.stop(wait=False)  # each server is ~2.5 GB under the interpreter: one at a time

@@ -1,4 +1,5 @@
-"""A seeded fuzz of the request surface against a MAGICDEC server: no request takes it down.
+"""A seeded fuzz of the request surface against a MAGICDEC server (`snap`, SnapKV in debug mode,
+shared with test_snapkv_server.py): no request takes it down.
 
 Valid and invalid sampling parameters, stop strings and token ids, logprobs, n > 1, regex and
 JSON-schema constraints, long (summarised) and short prompts, batches, the OpenAI endpoints,
@@ -30,24 +31,15 @@ VOCAB = 49152  # SmolLM2's
 
 
 @pytest.fixture(scope="module")
-def fuzzed(server_factory):
-    return server_factory(
-        "--dtype", "float32", "--max-total-tokens", "8000",
-        "--speculative-algorithm", "MAGICDEC", "--magicdec-draft", "snapkv",
-        "--magicdec-share-min-len", "512", "--magicdec-debug",
-    )  # fmt: skip
-
-
-@pytest.fixture(scope="module")
 def long_texts(tokenizer) -> list[list[int]]:
     return [tokenizer(text)["input_ids"][:1200] for text in pg19_texts("4K", count=3)]
 
 
-@pytest.mark.parametrize("server_name", ["plain", "fuzzed"])
+@pytest.mark.parametrize("server_name", ["plain", "snap"])
 @pytest.mark.parametrize("endpoint", ["/generate", "/generate batch", "/v1/completions"])
-def test_out_of_vocabulary_token_ids_answer_400(plain, fuzzed, server_name, endpoint):
-    """Without MAGICDEC (`plain`) and with it (`fuzzed`)."""
-    server = {"plain": plain, "fuzzed": fuzzed}[server_name]
+def test_out_of_vocabulary_token_ids_answer_400(plain, snap, server_name, endpoint):
+    """Without MAGICDEC (`plain`) and with it (`snap`)."""
+    server = {"plain": plain, "snap": snap}[server_name]
     bad = [5, 6, 1_000_000_000]
     if endpoint == "/v1/completions":
         response = requests.post(
@@ -79,13 +71,13 @@ def test_zero_parallel_samples_in_a_batch_answer_400(plain):
     assert _serves(plain)
 
 
-def test_fuzzed_requests_never_take_the_server_down(fuzzed, long_texts):
+def test_fuzzed_requests_never_take_the_server_down(snap, long_texts):
     rng = random.Random(SEED)
     cases = [_case(rng, long_texts) for _ in range(REQUESTS)]
 
     def send_then_check(case: dict) -> tuple[int, str, bool]:
-        status, body = _send(fuzzed.url, case)
-        return status, body, status == 200 or _serves(fuzzed)
+        status, body = _send(snap.url, case)
+        return status, body, status == 200 or _serves(snap)
 
     with ThreadPoolExecutor(CONCURRENCY) as pool:
         outcomes = list(pool.map(send_then_check, cases))
@@ -104,7 +96,7 @@ def test_fuzzed_requests_never_take_the_server_down(fuzzed, long_texts):
     assert not unexpected, "\n".join(unexpected)
     assert 0 < refused < REQUESTS, refused  # the mix has both kinds
     print(f"{REQUESTS} requests, {refused} refused with a 4xx")
-    _assert_idle(fuzzed)
+    _assert_idle(snap)
 
 
 def _serves(server) -> bool:
