@@ -6,6 +6,8 @@ from __future__ import annotations
 import functools
 import weakref
 
+import torch
+
 from sglang_magicdec.platforms import ATTENTION_BACKEND, CPU_ATTENTION_BACKENDS
 
 
@@ -62,9 +64,12 @@ def add_server_info(result, controller, state: dict, *args, **kwargs):
 
 
 # SnapKV summaries and γ = auto's per-request state live beside the radix cache and follow its
-# requests and evictions. SGLang documents `on_release` as the place to "drop per-request state
-# kept outside the tree"; eviction (all paths go through `_evict`) and `reset` (flush_cache) have
-# no public seam, so they are hooked directly. The hooks are registered once per process and
+# requests and its KV. SGLang documents `on_release` as the place to "drop per-request state
+# kept outside the tree"; the rest has no public seam, so these are hooked directly:
+# `checkpoint` (every insert of a request's computed tokens: after it, the request's
+# `req_to_token` row points at the tree's copy of them, its duplicates freed),
+# `_apply_cache_action` (every device KV slot the tree frees, by eviction or as a duplicate, is
+# in one such action) and `reset` (flush_cache). The hooks are registered once per process and
 # tell whoever subscribed (the SnapKV selection, γ = auto's controller).
 RADIX_CACHE = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
 
@@ -80,8 +85,12 @@ class RadixCacheListener:
     def request_released(self, rid: str) -> None:
         """SGLang freed the request's KV (finished, aborted or retracted)."""
 
-    def kv_freed(self, allocator) -> None:
-        """The cache evicted KV back to `allocator` (the pool's token allocator)."""
+    def tokens_cached(self, req, row: torch.Tensor) -> None:
+        """The cache took `req`'s computed tokens into the tree; `row` is the request's
+        `req_to_token` row, which now points at the tree's copy of them."""
+
+    def kv_freed(self, slots: torch.Tensor) -> None:
+        """The cache freed these KV pool slots (token slots, on the pool's device)."""
 
     def cache_reset(self) -> None:
         """The cache was flushed."""
@@ -112,12 +121,38 @@ def _request_released(result, cache, req, *args, **kwargs):
     return result
 
 
-def _kv_evicted(result, cache, *args, **kwargs):
-    # `_evict` runs whenever the scheduler wants room, mostly freeing nothing.
-    if getattr(result, "num_tokens_evicted", 1):
-        for listener in _listeners():
-            listener.kv_freed(cache.token_to_kv_pool_allocator)
+def _tokens_cached(result, cache, req, *args, **kwargs):
+    row = cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+    for listener in _listeners():
+        listener.tokens_cached(req, row)
     return result
+
+
+def _kv_freed(result, cache, action, *args, **kwargs):
+    slots = freed_full_kv_slots(action)
+    if slots is not None:
+        for listener in _listeners():
+            listener.kv_freed(slots)
+    return result
+
+
+def freed_full_kv_slots(action) -> torch.Tensor | None:
+    """The full-attention KV slots a radix-cache action frees, or None (another kind of
+    action, another component's slots, or nothing)."""
+    from sglang.srt.mem_cache.unified_cache.cache_action import (
+        FreeComponentDeviceSlot,
+        FreeDeviceKV,
+        FreeDeviceKVFullOnly,
+    )
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    if isinstance(action, FreeComponentDeviceSlot):
+        if action.component_type != ComponentType.FULL:
+            return None
+    elif not isinstance(action, (FreeDeviceKV, FreeDeviceKVFullOnly)):
+        return None
+    indices = [indices.reshape(-1) for indices in action.indices if indices.numel()]
+    return torch.cat(indices) if indices else None
 
 
 def _cache_reset(result, *args, **kwargs):
@@ -126,7 +161,12 @@ def _cache_reset(result, *args, **kwargs):
     return result
 
 
-RADIX_CACHE_HOOKS = {"on_release": _request_released, "_evict": _kv_evicted, "reset": _cache_reset}
+RADIX_CACHE_HOOKS = {
+    "on_release": _request_released,
+    "checkpoint": _tokens_cached,
+    "_apply_cache_action": _kv_freed,
+    "reset": _cache_reset,
+}
 
 # Before matching a request's prompt in the radix cache, SGLang bounds the match in this method
 # (the bound that keeps the last token, or everything from `logprob_start_len` on, recomputed).

@@ -116,6 +116,7 @@ class Holding:
     shared_len: int
     positions: torch.Tensor
     device_positions: torch.Tensor | None = None
+    anchored: bool = False  # the radix cache has taken the prompt in since (`tokens_cached`)
 
 
 class SummaryStore:

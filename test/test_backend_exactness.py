@@ -30,29 +30,35 @@ def _greedy_batch(server, prompts):
         return list(pool.map(one, prompts))
 
 
+FP32 = ("--dtype", "float32")
+
+
 @pytest.fixture(scope="module")
-def stock_outputs(server_factory, prompts):
-    stock = server_factory("--dtype", "float32", "--attention-backend", "torch_native")
+def servers(server_factory, plain) -> dict:
+    """Each backend's float32 server, started together with SGLang's stock one; magicdec_cpu
+    is the CPU default, which the session's `plain` server (float32) runs."""
+    stock, torch_ops = start_together(
+        lambda: server_factory(*FP32, "--attention-backend", "torch_native"),
+        lambda: server_factory(*FP32, "--attention-backend", "magicdec_cpu_torch"),
+    )
+    assert plain.server_info()["attention_backend"] == "magicdec_cpu"
+    return {"torch_native": stock, "magicdec_cpu": plain, "magicdec_cpu_torch": torch_ops}
+
+
+@pytest.fixture(scope="module")
+def stock_outputs(servers, prompts):
     try:
-        return _greedy_batch(stock, prompts)
+        return _greedy_batch(servers["torch_native"], prompts)
     finally:
-        stock.stop(wait=False)  # two cores: never two servers decoding at once
+        servers["torch_native"].stop(wait=False)
 
 
 @pytest.mark.parametrize("backend", ["magicdec_cpu", "magicdec_cpu_torch"])
-def test_greedy_tokens_identical_to_torch_native_fp32(
-    server_factory, plain, prompts, stock_outputs, backend
-):
-    """magicdec_cpu is the CPU default: the session's `plain` server (float32) runs it."""
-    if backend == plain.server_info()["attention_backend"]:
-        ours = plain
-        our_outputs = _greedy_batch(ours, prompts)
-    else:
-        ours = server_factory("--dtype", "float32", "--attention-backend", backend)
-        try:
-            our_outputs = _greedy_batch(ours, prompts)
-        finally:
-            ours.stop(wait=False)
+def test_greedy_tokens_identical_to_torch_native_fp32(servers, prompts, stock_outputs, backend):
+    ours = servers[backend]  # one server decoding at a time: the others wait idle
+    our_outputs = _greedy_batch(ours, prompts)
+    if ours is not servers["magicdec_cpu"]:
+        ours.stop(wait=False)
     assert "native CPU kernels unavailable" not in ours.log_path.read_text()
     for index, (got, expected) in enumerate(zip(our_outputs, stock_outputs, strict=True)):
         assert len(got) == NEW_TOKENS

@@ -9,10 +9,16 @@ from __future__ import annotations
 
 import gc
 import pkgutil
-from types import SimpleNamespace
 
 import pytest
-from sglang.srt.mem_cache.base_prefix_cache import EvictResult
+import torch
+from sglang.srt.mem_cache.unified_cache.cache_action import (
+    BackupKV,
+    FreeComponentDeviceSlot,
+    FreeDeviceKV,
+    FreeDeviceKVFullOnly,
+)
+from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.plugins import load_plugins
 from sglang.srt.plugins.hook_registry import HookRegistry
 
@@ -34,7 +40,8 @@ def test_hooks_cover_the_internals_the_design_names():
     targets = our_hook_targets()
     for expected in (
         f"{plugin.RADIX_CACHE}.on_release",
-        f"{plugin.RADIX_CACHE}._evict",
+        f"{plugin.RADIX_CACHE}.checkpoint",
+        f"{plugin.RADIX_CACHE}._apply_cache_action",
         f"{plugin.RADIX_CACHE}.reset",
         plugin.PREFIX_MATCH_LIMIT,
         plugin.INTERNAL_STATE_SPECULATIVE,
@@ -53,10 +60,10 @@ def test_hooked_sglang_internal_exists(target):
 
 class Recorder(plugin.RadixCacheListener):
     def __init__(self):
-        self.freed = 0
+        self.freed: list[list[int]] = []
 
-    def kv_freed(self, allocator) -> None:
-        self.freed += 1
+    def kv_freed(self, slots) -> None:
+        self.freed.append(slots.tolist())
 
 
 @pytest.fixture
@@ -67,14 +74,20 @@ def recorder():
     plugin.unsubscribe_from_radix_cache(listener)
 
 
-CACHE = SimpleNamespace(token_to_kv_pool_allocator=None)
-
-
-def test_an_eviction_that_freed_nothing_is_not_reported(recorder):
-    plugin._kv_evicted(EvictResult(num_tokens_evicted=0), CACHE)
-    assert recorder.freed == 0
-    plugin._kv_evicted(EvictResult(num_tokens_evicted=5), CACHE)
-    assert recorder.freed == 1
+def test_listeners_hear_the_full_kv_slots_each_cache_action_frees(recorder):
+    """Evictions and duplicate frees both go through `_apply_cache_action`: listeners hear the
+    full-attention slots of SGLang's own free actions, and nothing of other actions, other
+    components' slots or empty frees."""
+    free_kv = FreeDeviceKV(indices=[torch.tensor([4, 5]), torch.tensor([9])])
+    plugin._kv_freed(None, None, free_kv)
+    plugin._kv_freed(None, None, FreeDeviceKVFullOnly(indices=[torch.tensor([7])]))
+    full = ComponentType.FULL
+    plugin._kv_freed(None, None, FreeComponentDeviceSlot([torch.tensor([1, 2])], full))
+    assert recorder.freed == [[4, 5, 9], [7], [1, 2]]
+    plugin._kv_freed(None, None, FreeComponentDeviceSlot([torch.tensor([3])], ComponentType.SWA))
+    plugin._kv_freed(None, None, FreeDeviceKV(indices=[torch.tensor([], dtype=torch.int64)]))
+    plugin._kv_freed(None, None, BackupKV(node_ids=[1]))
+    assert recorder.freed == [[4, 5, 9], [7], [1, 2]]
 
 
 def test_listeners_are_held_weakly_and_can_unsubscribe():
@@ -87,8 +100,9 @@ def test_listeners_are_held_weakly_and_can_unsubscribe():
     del dropped
     gc.collect()
     assert plugin._listeners() == [kept]
-    plugin._kv_evicted(EvictResult(num_tokens_evicted=5), CACHE)
-    assert kept.freed == 1
+    free_kv = FreeDeviceKV(indices=[torch.tensor([4])])
+    plugin._kv_freed(None, None, free_kv)
+    assert kept.freed == [[4]]
     plugin.unsubscribe_from_radix_cache(kept)
-    plugin._kv_evicted(EvictResult(num_tokens_evicted=5), CACHE)
-    assert kept.freed == 1 and plugin._listeners() == []
+    plugin._kv_freed(None, None, free_kv)
+    assert kept.freed == [[4]] and plugin._listeners() == []

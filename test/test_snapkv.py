@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -195,23 +196,24 @@ def test_store_bounds_idle_summaries():
     assert [s.tokens for s in store.summaries()] == [(3, 3), (4, 4)]
 
 
-def test_debug_check_fails_for_a_stale_summary():
-    """`--magicdec-debug`'s check of a request drafting with its own prompt's summary: it passes
-    while the summary is anchored on the KV the request holds, and fails once the anchor is
-    stale (slots the request does not hold) or any of that KV is free."""
-    from types import SimpleNamespace
-
+def small_selection():
+    """A SnapKV selection of 8 positions (2 sinks in its fallback), sharing from 4 tokens."""
     from sglang_magicdec.drafts import SnapKVSelection, StreamingDraft, StreamingSelection
 
-    selection = SnapKVSelection(
+    return SnapKVSelection(
         SnapKVDraft(budget=8, obs_window=2),
         fallback=StreamingSelection(StreamingDraft(budget=8, sinks=2)),
         model=torch.nn.Module(),
         share_min_len=4,
         min_context=4,
     )
+
+
+def computed_by_a(slots: torch.Tensor):
+    """A small selection in which request "a" computed and holds the summary of its 10-token
+    prompt, held in KV `slots`: (selection, summary, request)."""
+    selection = small_selection()
     prompt = list(range(10))
-    slots = torch.arange(100, 110)
     summary = Summary(
         tokens=tuple(prompt),
         positions=torch.arange(8, dtype=torch.int32).view(1, 1, 8),
@@ -219,7 +221,39 @@ def test_debug_check_fails_for_a_stale_summary():
         prompt_slots=slots[:-1].clone(),
     )
     selection.store.acquire("a", summary, computed=True)
-    req = SimpleNamespace(rid="a", origin_input_ids=prompt)
+    return selection, summary, SimpleNamespace(rid="a", origin_input_ids=prompt)
+
+
+def test_a_summary_is_anchored_where_the_radix_cache_holds_its_prompt():
+    """SGLang caches a prompt another request cached first: it gives the request's own slots
+    back as duplicates (the summary's anchor: its live prefix is cut to nothing) and points the
+    row at the tree's copy, which the summary then follows, whole again. Frees of the tree's
+    copy cut it; once unheld and shorter than the sharing length, it goes."""
+    own, tree = torch.arange(100, 110), torch.arange(200, 210)
+    selection, summary, req = computed_by_a(own)
+    prompt = req.origin_input_ids
+    selection.kv_freed(own[:-1])  # the duplicates, freed inside the insert
+    assert summary.live_len == 0
+    row = torch.cat([tree, torch.zeros(6, dtype=torch.int64)])
+    selection.tokens_cached(req, row)
+    assert torch.equal(summary.prompt_slots, tree[:-1]) and summary.live_len == len(prompt)
+    selection.check(req, row, torch.empty(0, dtype=torch.int64), 1)
+    selection.tokens_cached(req, torch.zeros(16, dtype=torch.int64))  # later inserts: no move
+    assert torch.equal(summary.prompt_slots, tree[:-1])
+    selection.kv_freed(torch.tensor([205, 300]))
+    assert summary.live_len == 5
+    selection.request_released("a")
+    assert selection.store.summaries() == [summary]  # 5 tokens still shareable
+    selection.kv_freed(torch.tensor([202]))
+    assert selection.store.summaries() == []
+
+
+def test_debug_check_fails_for_a_stale_summary():
+    """`--magicdec-debug`'s check of a request drafting with its own prompt's summary: it passes
+    while the summary is anchored on the KV the request holds, and fails once the anchor is
+    stale (slots the request does not hold) or any of that KV is free."""
+    slots = torch.arange(100, 110)
+    selection, summary, req = computed_by_a(slots)
     row = torch.cat([slots, torch.zeros(6, dtype=torch.int64)])  # its req_to_token row
     nothing_free = torch.empty(0, dtype=torch.int64)
     selection.check(req, row, nothing_free, 1)

@@ -255,12 +255,6 @@ class SnapKVSelection(RadixCacheListener):
         prompt_len = len(req.origin_input_ids)
         if holding.device_positions is None:
             holding.device_positions = to_device(holding.positions.long(), row.device)
-            summary = holding.summary
-            if holding.shared_len == summary.length == prompt_len:
-                # The prompt's own summary follows its KV: when SGLang caches a prompt another
-                # request already cached (after the prefill forward, before this first round),
-                # it moves the row onto the radix tree's copy and frees the duplicate.
-                summary.prompt_slots = host_copy(row[: summary.length - 1])
         recent = self.policy.recent(holding.shared_len, committed_len, prompt_len)
         return DraftPositions(holding.device_positions, recent)
 
@@ -290,20 +284,24 @@ class SnapKVSelection(RadixCacheListener):
         self.store.release(rid)
         self.observer.pending.pop(rid, None)
 
-    def kv_freed(self, allocator) -> None:
-        """Summaries stay shareable up to their first freed position (`SummaryStore.drop_freed`),
-        told by the allocator's free-page census."""
-        free = allocator.get_all_free_pages()
-        if free is None:
-            # SGLang calls this census a debug aid that may be unavailable: without it, no
-            # stored summary can be trusted to point at live KV.
-            logger.warning("MagicDec: no free-page census after an eviction; summaries dropped")
-            self.store.clear_unheld()
+    def tokens_cached(self, req, row: torch.Tensor) -> None:
+        """A summary is anchored on its prompt's KV where the radix cache holds it: once the
+        prompt computing it is in the tree (its first insert after that prefill), on the row,
+        which SGLang has moved onto the tree's copy (a prompt another request cached first
+        gives its own slots back as duplicates, which may have cut the summary's live prefix)."""
+        holding = self.store.held_by(req.rid)
+        if holding is None or holding.anchored:
             return
-        free = free.to(torch.int64).cpu()
-        if allocator.page_size > 1:
-            free = free[:, None] * allocator.page_size + torch.arange(allocator.page_size)
-        self.store.drop_freed(free.reshape(-1))
+        summary = holding.summary
+        holding.anchored = True
+        if holding.shared_len == summary.length == len(req.origin_input_ids):
+            summary.prompt_slots = host_copy(row[: summary.length - 1])
+            summary.live_len = summary.length
+
+    def kv_freed(self, slots: torch.Tensor) -> None:
+        """Summaries stay shareable up to their first freed position (`SummaryStore.drop_freed`)."""
+        if len(self.store):
+            self.store.drop_freed(slots.to(torch.int64).cpu())
 
     def cache_reset(self) -> None:
         self.store.clear_unheld()
