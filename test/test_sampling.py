@@ -7,6 +7,7 @@ import torch
 
 from sglang_magicdec.sampling import (
     chain_rejection_sample,
+    counter_uniforms,
     greedy_accept,
     sample_from,
     sampling_probs,
@@ -162,3 +163,27 @@ def test_seeded_sample_depends_only_on_seed_position_and_distribution():
     drafts = seeded_sample(chain[:gamma], torch.full((gamma,), 9), chain_positions[:gamma])
     tokens_in_round = torch.cat([torch.tensor([0]), drafts])[None]
     assert greedy_accept(tokens_in_round, target[None]).item() == gamma + 1
+
+
+def test_counter_uniforms_are_the_hash_written_out_in_python_integers():
+    """The vectorised hash (int32 products wrapping modulo 2^32) is lowbias32 over the counter
+    (seed, position, token id) as its definition reads, computed here in Python integers."""
+    mask = 0xFFFFFFFF
+
+    def mix32(x: int) -> int:
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) & mask
+        x ^= x >> 15
+        x = (x * 0x846CA68B) & mask
+        return x ^ (x >> 16)
+
+    generator = torch.Generator().manual_seed(3)
+    seeds = torch.cat([torch.randint(0, 2**63 - 1, (5,), generator=generator),
+                       torch.tensor([0, 2**32 - 1, 2**32, 2**63 - 1])])  # fmt: skip
+    positions = torch.randint(0, 2**40, (seeds.numel(),), generator=generator)
+    vocab = 257
+    uniforms = counter_uniforms(seeds, positions, vocab)
+    for row, (seed, position) in enumerate(zip(seeds.tolist(), positions.tolist(), strict=True)):
+        key = mix32(mix32(mix32((seed & mask) ^ 0x9E3779B9) ^ (seed >> 32)) ^ (position & mask))
+        expected = [((mix32(key ^ mix32(t ^ 0x85EBCA6B)) >> 8) + 0.5) / 2**24 for t in range(vocab)]
+        assert torch.equal(uniforms[row], torch.tensor(expected, dtype=torch.float32)), row
