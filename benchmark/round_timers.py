@@ -1,0 +1,130 @@
+"""Wall-clock timers inside a MAGICDEC server's scheduler: each part of a round (the worker's
+methods) and, within each, the native kernels it called (`benchmark/profile_round.py`).
+
+A sampling profiler misleads on two cores: py-spy takes CPU from one of the two OpenMP threads
+of a parallel kernel, which then waits at its barrier, so kernels look slower and larger than
+they are (a plain decode step at batch 2 × 1K ran 77 ms alone and 94 ms under py-spy at 200 Hz).
+These timers cost a `perf_counter` pair per call.
+
+Installed in the server's processes by `sitecustomize` (`SITECUSTOMIZE`, put on `PYTHONPATH`):
+the worker and kernel modules are wrapped as they are imported, and the scheduler writes its
+totals to `$MAGICDEC_ROUND_TIMERS` after every decode batch.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.util
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+ENV = "MAGICDEC_ROUND_TIMERS"
+# Outermost first: a kernel's time counts for the innermost part it ran in.
+PARTS = ("_speculate", "_plain_decode", "_draft_round", "_draft_step", "_verify", "_commit")
+KERNELS = {"few_rows_linear_native": "linear", "slot_attention_native": "attention"}
+SITECUSTOMIZE = "import benchmark.round_timers as timers\ntimers.install()\n"
+
+# part -> [calls, seconds]; (part, kernel) -> seconds.
+_parts: dict[str, list] = defaultdict(lambda: [0, 0.0])
+_kernels: dict[tuple[str, str], float] = defaultdict(float)
+_stack: list[str] = []
+
+
+def _timed_part(name: str, method: Callable) -> Callable:
+    @functools.wraps(method)
+    def timed(*args, **kwargs):
+        _stack.append(name)
+        start = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            entry = _parts[name]
+            entry[0] += 1
+            entry[1] += time.perf_counter() - start
+            _stack.pop()
+            if not _stack:  # a decode batch is done: publish the totals
+                _write(os.environ[ENV])
+
+    return timed
+
+
+def _timed_kernel(label: str, function: Callable) -> Callable:
+    @functools.wraps(function)
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            part = _stack[-1] if _stack else "outside the worker"
+            _kernels[(part, label)] += time.perf_counter() - start
+
+    return timed
+
+
+def _write(path: str) -> None:
+    totals = {
+        "parts": dict(_parts),
+        "kernels": {f"{part}/{label}": seconds for (part, label), seconds in _kernels.items()},
+    }
+    with open(path + ".tmp", "w") as out:
+        json.dump(totals, out)
+    os.replace(path + ".tmp", path)
+
+
+def _wrap_worker(module) -> None:
+    worker = module.MagicDecWorker
+    for name in PARTS:
+        setattr(worker, name, _timed_part(name, getattr(worker, name)))
+
+
+def _wrap_kernels(module) -> None:
+    for name, label in KERNELS.items():
+        setattr(module, name, _timed_kernel(label, getattr(module, name)))
+
+
+class _WrapOnImport(importlib.abc.MetaPathFinder):
+    """Runs `after[name](module)` once the module `name` has been executed."""
+
+    def __init__(self, after: dict[str, Callable]):
+        self.after = after
+
+    def find_spec(self, name, path, target=None):
+        if name not in self.after:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        execute, wrap = spec.loader.exec_module, self.after.pop(name)
+
+        def exec_module(module):
+            execute(module)
+            wrap(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def install() -> None:
+    """Wrap the worker and the kernels when they are imported (only where `ENV` is set)."""
+    if os.environ.get(ENV):
+        sys.meta_path.insert(
+            0,
+            _WrapOnImport(
+                {
+                    "sglang_magicdec.worker": _wrap_worker,
+                    "magicdec_kernels.cpu_native": _wrap_kernels,
+                }
+            ),
+        )
+
+
+def read(path: str) -> dict:
+    with open(path) as totals:
+        return json.load(totals)
