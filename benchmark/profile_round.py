@@ -46,6 +46,7 @@ ROWS = {
     "_plain_decode": "plain steps (γ = 0)",
 }
 NESTED = {"_speculate": ("_draft_round", "_draft_step", "_verify", "_commit")}
+NOT_RUN = (0, 0.0)  # a part's [calls, seconds] before its first call
 
 
 def function_shares(raw: Path, under: str, top: int) -> list[tuple[str, float]]:
@@ -63,13 +64,10 @@ def function_shares(raw: Path, under: str, top: int) -> list[tuple[str, float]]:
 
 def timer_deltas(before: dict, after: dict) -> tuple[dict[str, list], dict[str, float]]:
     """What the timers added between two reads: part -> [calls, seconds], 'part/kernel' -> s."""
-    parts = {
-        name: [
-            calls - before["parts"].get(name, [0, 0.0])[0],
-            seconds - before["parts"].get(name, [0, 0.0])[1],
-        ]
-        for name, (calls, seconds) in after["parts"].items()
-    }
+    parts = {}
+    for name, (calls, seconds) in after["parts"].items():
+        calls_before, seconds_before = before["parts"].get(name, NOT_RUN)
+        parts[name] = [calls - calls_before, seconds - seconds_before]
     kernels = {
         key: seconds - before["kernels"].get(key, 0.0) for key, seconds in after["kernels"].items()
     }
@@ -78,27 +76,28 @@ def timer_deltas(before: dict, after: dict) -> tuple[dict[str, list], dict[str, 
 
 def print_round_table(parts: dict[str, list], kernels: dict[str, float], wall: float) -> None:
     """Milliseconds per decode batch, each part split into the kernels and the rest."""
-    batches = parts.get("_speculate", [0, 0.0])[0] + parts.get("_plain_decode", [0, 0.0])[0]
+    rounds = parts.get("_speculate", NOT_RUN)[0]
+    batches = rounds + parts.get("_plain_decode", NOT_RUN)[0]
     if not batches:
         print("no decode batch ran")
         return
     per_batch = 1000 / batches
     print(
         f"wall {wall:.1f} s for {batches} decode batches "
-        f"({parts.get('_speculate', [0])[0]} rounds): {wall * per_batch:.0f} ms each"
+        f"({rounds} rounds): {wall * per_batch:.0f} ms each"
     )
     print(f"{'ms per decode batch':24} {'total':>7} {'linear':>7} {'attention':>9} {'rest':>7}")
     in_worker = 0.0
     for name, label in ROWS.items():
-        calls, seconds = parts.get(name, [0, 0.0])
-        seconds -= sum(parts.get(inner, [0, 0.0])[1] for inner in NESTED.get(name, ()))
+        calls, seconds = parts.get(name, NOT_RUN)
+        seconds -= sum(parts.get(inner, NOT_RUN)[1] for inner in NESTED.get(name, ()))
         if not calls:
             continue
         in_worker += seconds
         linear = kernels.get(f"{name}/linear", 0.0)
         attention = kernels.get(f"{name}/attention", 0.0)
         if name == "_draft_step":
-            label = f"{label} (x{calls / parts['_speculate'][0]:.2f})"
+            label = f"{label} (x{calls / rounds:.2f})"
         print(
             f"{label:24} {seconds * per_batch:7.1f} {linear * per_batch:7.1f} "
             f"{attention * per_batch:9.1f} {(seconds - linear - attention) * per_batch:7.1f}"
