@@ -1,5 +1,6 @@
-"""MagicDec's native CPU kernels (C++ in csrc/): attention over lists of KV-pool slots, and
-products of a few rows with a weight matrix (`few_rows_linear`, below).
+"""MagicDec's native CPU kernels (C++ in csrc/): attention over lists of KV-pool slots, products
+of a few rows with a weight matrix (`few_rows_linear`, below), and a decoder layer's per-token ops
+(`rms_norm`, `rotary_embedding`, `silu_and_mul`, `store_kv`, below).
 
 Slot attention (csrc/slot_attention.cpp).
 
@@ -50,7 +51,7 @@ logger = logging.getLogger(__name__)
 BUILD_DIR = Path(__file__).parent / "_native"
 SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("module.cpp", "slot_attention.cpp", "few_rows_linear.cpp")
+    for name in ("module.cpp", "slot_attention.cpp", "few_rows_linear.cpp", "layer_ops.cpp")
 ]
 EXTENSION_NAME = "magicdec_cpu_kernels"
 
@@ -256,6 +257,162 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Non
     if supports_few_rows(x, weight) and native() is not None:
         return few_rows_linear_native(x, weight)
     return None
+
+
+# A decoder layer's per-token ops (csrc/layer_ops.cpp): SGLang's torch versions of these are 5-20
+# small torch ops each, whose dispatch, not arithmetic, costs 80-270 us per call at decode sizes;
+# one native call costs a few. Each takes float32 or bfloat16 rows (2-D, the last dim contiguous)
+# and rounds as its torch reference does; each returns None (or False) where the extension is not
+# loaded or the tensors are not ones it takes, and the caller then runs the torch version.
+LAYER_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _takes_rows(*tensors: torch.Tensor) -> bool:
+    return all(
+        not t.is_cuda and t.dtype in LAYER_DTYPES and t.dim() == 2 and t.stride(-1) == 1
+        for t in tensors
+    )
+
+
+def rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    cast_before_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(out, residual_out): h = x (+ residual) in float32, residual_out = h in x's dtype, out =
+    h / sqrt(mean(h²) + eps) times weight, rounded to x's dtype before the weight product when
+    `cast_before_weight` (the weight then in x's dtype), after it otherwise. x [T, H]."""
+    rows = (x,) if residual is None else (x, residual)
+    if not _takes_rows(*rows) or weight.dtype not in LAYER_DTYPES or weight.dim() != 1:
+        return None
+    if residual is not None and (residual.dtype != x.dtype or residual.shape != x.shape):
+        return None
+    if cast_before_weight and weight.dtype != x.dtype:
+        return None
+    module = native()
+    if module is None:
+        return None
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    residual_out = None if residual is None else torch.empty_like(out)
+    module.rms_norm(x, residual, weight.contiguous(), eps, cast_before_weight, out, residual_out)
+    return out, residual_out
+
+
+def rms_norm_torch(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    cast_before_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The same in torch (the reference path)."""
+    h = x.float() if residual is None else x.float() + residual.float()
+    residual_out = None if residual is None else h.to(x.dtype)
+    normed = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps)
+    if cast_before_weight:
+        return weight * normed.to(x.dtype), residual_out
+    return (normed * weight).to(x.dtype), residual_out
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_size: int,
+    neox_style: bool,
+) -> bool:
+    """Rotates query [T, Hq * head_size] and key [T, Hk * head_size] in place: the first
+    rotary_dim = cos_sin_cache.shape[1] dims of every head by cos_sin_cache[positions] (cos, then
+    sin: rotary_dim / 2 each), neox style (dim i with i + rotary_dim / 2) or GPT-J style (2i
+    with 2i + 1); each product and sum rounded to query's dtype. False where it did nothing."""
+    if not _takes_rows(query, key, cos_sin_cache) or query.dtype != key.dtype:
+        return False
+    if positions.dtype != torch.int64 or positions.dim() != 1 or positions.is_cuda:
+        return False
+    module = native()
+    if module is None:
+        return False
+    module.rotary_embedding(positions, query, key, cos_sin_cache, head_size, neox_style)
+    return True
+
+
+def rotary_embedding_torch(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_size: int,
+    neox_style: bool,
+) -> bool:
+    """The same in torch (the reference path)."""
+    half = cos_sin_cache.shape[1] // 2
+    cos, sin = cos_sin_cache[positions].to(query.dtype).split(half, dim=-1)
+    cos, sin = cos[:, None], sin[:, None]
+    for rows in (query, key):
+        rotated = rows.view(rows.shape[0], -1, head_size)[..., : 2 * half]
+        if neox_style:
+            x1, x2 = rotated[..., :half].clone(), rotated[..., half:].clone()
+            rotated[..., :half], rotated[..., half:] = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        else:
+            x1, x2 = rotated[..., 0::2].clone(), rotated[..., 1::2].clone()
+            rotated[..., 0::2], rotated[..., 1::2] = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    return True
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
+    """silu(x[:, :d]) * x[:, d:] for x [T, 2d], silu rounded to x's dtype before the product."""
+    if not _takes_rows(x) or x.shape[-1] % 2:
+        return None
+    module = native()
+    if module is None:
+        return None
+    out = x.new_empty(x.shape[0], x.shape[1] // 2)
+    module.silu_and_mul(x, out)
+    return out
+
+
+def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
+    """The same in torch (the reference path)."""
+    half = x.shape[-1] // 2
+    return torch.nn.functional.silu(x[..., :half]) * x[..., half:]
+
+
+def store_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    loc: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> bool:
+    """k_cache[loc] = k and v_cache[loc] = v: caches [slots, Hkv, D] (any strides, the last dim
+    contiguous: the head-major pool's view), k and v [T, Hkv, D] in their cache's dtype. False
+    where it did nothing."""
+    tensors = (k_cache, v_cache, k, v)
+    if any(t.is_cuda or t.dim() != 3 or t.stride(-1) != 1 for t in tensors):
+        return False
+    if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype or loc.dtype != torch.int64:
+        return False
+    module = native()
+    if module is None:
+        return False
+    module.store_kv(k_cache, v_cache, loc, k, v)
+    return True
+
+
+def store_kv_torch(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    loc: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> bool:
+    """The same in torch (the reference path)."""
+    k_cache[loc] = k
+    v_cache[loc] = v
+    return True
 
 
 def _main(argv: list[str]) -> int:

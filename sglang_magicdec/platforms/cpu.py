@@ -18,6 +18,9 @@ DEFAULT_MEM_FRACTION = 0.25
 # SGLang's CPU ranks bind their threads to this, one '|'-separated group per rank; unset, it
 # allows one rank per NUMA node (this machine has one).
 THREADS_BIND = "SGLANG_CPU_OMP_THREADS_BIND"
+# SGLang's fused ops look up an out-of-tree platform's forwards under this key
+# (`torch_ops.register_fused_op_forwards`); without one registered they run `forward_native`.
+DISPATCH_KEY = "native"
 
 
 def threads_bind(cores: list[int], ranks: int) -> str:
@@ -82,4 +85,4 @@ class MagicDecCpuPlatform(CpuDeviceMixin, SRTPlatform):
         return False
 
     def get_dispatch_key_name(self) -> str:
-        return "native"
+        return DISPATCH_KEY

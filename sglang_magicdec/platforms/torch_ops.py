@@ -1,10 +1,14 @@
 """Torch versions of the few SGLang helpers that only dispatch to Triton (CUDA) or to the AMX
-CPU kernel package, and a faster CPU path for decode-sized linear layers, installed on our CPU
-platform through `HookRegistry`.
+CPU kernel package, a faster CPU path for decode-sized linear layers, and native forwards for a
+decoder layer's per-token ops, installed on our CPU platform.
 
 SGLang 0.5.23 offers a platform seam for some of these (KV pool, cache locations) but not for
 these module-level helpers or the unquantised linear method; a REPLACE or AROUND hook on each is
-the narrowest change.
+the narrowest change. Its fused ops (RMSNorm, rotary embedding, SiLU-and-mul) have their own seam
+for an out-of-tree platform, `BaseFusedOp.register_oot_forward`, which takes precedence over
+their torch `forward_native` on our platform (dispatch key "native"): each forward below calls
+the native op (`magicdec_kernels.cpu_native`) where it takes the module's configuration and the
+tensors, and `forward_native` otherwise.
 """
 
 from __future__ import annotations
@@ -93,6 +97,107 @@ def decode_sized_lm_head(
     return product
 
 
+# -- a decoder layer's per-token ops --------------------------------------------------------------
+# At decode sizes SGLang's torch versions cost their dispatch, not their arithmetic (80-270 us per
+# call, ~20 ms of SmolLM2's 30-layer forward on two cores); the native ones a few us.
+
+
+def _as_rows(x: torch.Tensor, width: int) -> torch.Tensor | None:
+    """x as [tokens, width] rows without a copy, or None."""
+    if x.dim() == 2:
+        return x
+    try:
+        return x.view(-1, width)
+    except RuntimeError:
+        return None
+
+
+def rms_norm_forward(op, x, residual=None, post_residual_addition=None, quant_linear=None):
+    """`RMSNorm.forward_native`, natively where nothing but the plain norm is configured."""
+    plain = (
+        post_residual_addition is None
+        and op.variance_size_override is None
+        and op.override_orig_dtype in (None, x.dtype)
+        and not op.fp32_residual
+        and x.shape[-1] == op.hidden_size
+    )
+    rows = _as_rows(x, op.hidden_size) if plain else None
+    residual_rows = None if residual is None else _as_rows(residual, op.hidden_size)
+    result = None
+    if rows is not None and (residual is None or residual_rows is not None):
+        result = cpu_native.rms_norm(
+            rows, residual_rows, op.weight.data, op.variance_epsilon, op.cast_x_before_out_mul
+        )
+    if result is None:
+        return op.forward_native(x, residual, post_residual_addition, quant_linear)
+    out, residual_out = result
+    if residual is None:
+        return out.view(x.shape)
+    return out.view(x.shape), residual_out.view(residual.shape)
+
+
+def rotary_forward(
+    op, positions, query, key, offsets=None, fused_set_kv_buffer_arg=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`RotaryEmbedding.forward_native` in place, natively for the cached cos/sin of plain
+    positions (what the classes registered below compute)."""
+    if offsets is None and fused_set_kv_buffer_arg is None and not hasattr(op, "sin_cos_cache"):
+        tokens = positions.numel()
+        query_rows = query.view(tokens, -1) if query.is_contiguous() or query.dim() == 2 else None
+        key_rows = key.view(tokens, -1) if key.is_contiguous() or key.dim() == 2 else None
+        cache = op.cos_sin_cache
+        if (
+            query_rows is not None
+            and key_rows is not None
+            and cache.shape[-1] == op.rotary_dim
+            and cpu_native.rotary_embedding(
+                positions.reshape(-1), query_rows, key_rows, cache, op.head_size, op.is_neox_style
+            )
+        ):
+            return query, key
+    return op.forward_native(positions, query, key, offsets, fused_set_kv_buffer_arg)
+
+
+def silu_and_mul_forward(op, x: torch.Tensor) -> torch.Tensor:
+    """`SiluAndMul.forward_native`, natively."""
+    rows = _as_rows(x, x.shape[-1])
+    out = None if rows is None else cpu_native.silu_and_mul(rows)
+    if out is None:
+        return op.forward_native(x)
+    return out.view(*x.shape[:-1], x.shape[-1] // 2)
+
+
+def rotary_classes() -> list[type]:
+    """RotaryEmbedding and those of its subclasses that only change the cos/sin cache (the
+    registry is keyed by exact class): Llama 3's, linear, YaRN and NTK scaling among them."""
+    import sglang.srt.layers.rotary_embedding as package  # all its modules, so all subclasses
+    from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
+
+    del package
+    classes, pending = [], [RotaryEmbedding]
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        if cls.forward is RotaryEmbedding.forward and (
+            cls.forward_native is RotaryEmbedding.forward_native
+        ):
+            classes.append(cls)
+    return classes
+
+
+def register_fused_op_forwards() -> None:
+    from sglang.kernels.fused_op import BaseFusedOp
+    from sglang.srt.layers.activation import SiluAndMul
+    from sglang.srt.layers.layernorm import RMSNorm
+
+    from sglang_magicdec.platforms.cpu import DISPATCH_KEY
+
+    BaseFusedOp.register_oot_forward(RMSNorm, rms_norm_forward, DISPATCH_KEY)
+    BaseFusedOp.register_oot_forward(SiluAndMul, silu_and_mul_forward, DISPATCH_KEY)
+    for cls in rotary_classes():
+        BaseFusedOp.register_oot_forward(cls, rotary_forward, DISPATCH_KEY)
+
+
 HOOKS = {
     "sglang.srt.mem_cache.allocation.assign_req_to_token_pool_func": assign_req_to_token_pool,
 }
@@ -109,3 +214,4 @@ def register() -> None:
         HookRegistry.register(target, replacement, HookType.REPLACE)
     for target, wrapper in AROUND_HOOKS.items():
         HookRegistry.register(target, wrapper, HookType.AROUND)
+    register_fused_op_forwards()
