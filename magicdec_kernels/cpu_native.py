@@ -28,7 +28,9 @@ Query head j reads KV head j // (Hq // Hkv). Causality is aligned to the end of 
 row i of a request with q_len rows sees the first `n_b - q_len + i + 1` keys of its list (decode,
 q_len 1, sees them all; in verification the last γ+1 entries are the query tokens themselves).
 A row that sees no key gets zeros. Softmax and accumulation run in float32. Query rows outside
-every request's range are not written.
+every request's range are not written. With bf16 q and KV (head dim a multiple of 32) on a CPU
+with AVX512-BF16, both products are bf16 pair dot products (exact products, float32 sums), and
+the probabilities are rounded to bf16 for the value product, as GPU flash attention does.
 
 `native()` builds (once; later loads only check the sources) and loads the extension, or says in
 one warning why it cannot and returns None; `slot_attention` takes the native kernel when it is
@@ -208,11 +210,20 @@ def slot_attention(
     return slot_attention_torch(q, k_cache, v_cache, q_indptr, head_slots, kv_lens, scale, out)
 
 
-# Rows up to which the native few-row product beats torch's on this machine
-# (`benchmark/bench_cpu_backend.py --kernels`). Float32 stays about at the weight's bytes floor to
-# 8 rows and at the FMA rate past that; bf16's `vdpbf16ps` is compute-bound past ~8 rows, where
-# oneDNN's bf16 path (AMX where the CPU has it) is faster.
-FEW_ROWS_MAX = {torch.float32: 64, torch.bfloat16: 8}
+def _cpu_has_amx() -> bool:
+    try:
+        return "amx_bf16" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+# Rows up to which the native few-row product beats torch's (`benchmark/bench_cpu_backend.py
+# --kernels`). Float32 stays about at the weight's bytes floor to 8 rows and at the FMA rate past
+# that. bf16's `vdpbf16ps` is compute-bound past ~8 rows: on an Intel CPU with AMX, oneDNN's bf16
+# path is faster from there; without AMX (AMD EPYC, 2026-12-02: SmolLM2's 30 layers at 8 / 16 /
+# 24 / 32 rows, native 12.5 / 18.8 / 25.0 / 37.1 ms, F.linear 29.6 / 33.2 / 31.2 / 35.4) up to
+# 24 rows.
+FEW_ROWS_MAX = {torch.float32: 64, torch.bfloat16: 8 if _cpu_has_amx() else 24}
 
 
 def few_rows_linear_native(

@@ -256,10 +256,13 @@ struct LinearIsa {
 std::vector<LinearIsa> linear_isas() {
   std::vector<LinearIsa> isas;
 #ifdef MAGICDEC_X86
+  // The names of slot_attention.cpp's instruction sets: "avx512bf16" multiplies bf16 pairs with
+  // `vdpbf16ps`, "avx512" widens bf16 to float32.
+  if (cpu_has_avx512_bf16()) {
+    isas.push_back({"avx512bf16", rows_avx512::product_f32(), rows_avx512::product_bf16_dot()});
+  }
   if (cpu_has_avx512()) {
-    isas.push_back({"avx512", rows_avx512::product_f32(),
-                    cpu_has_avx512_bf16() ? rows_avx512::product_bf16_dot()
-                                          : rows_avx512::product_bf16_widened()});
+    isas.push_back({"avx512", rows_avx512::product_f32(), rows_avx512::product_bf16_widened()});
   }
   if (cpu_has_avx2()) {
     isas.push_back({"avx2", rows_avx2::product_f32(), rows_avx2::product_bf16()});

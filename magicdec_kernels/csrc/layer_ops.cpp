@@ -96,11 +96,13 @@ enum class Isa { kAvx512, kAvx2, kScalar };
 Isa pick_isa(const std::string& isa) {
 #ifdef MAGICDEC_X86
   const bool avx512 = magicdec::cpu_has_avx512(), avx2 = magicdec::cpu_has_avx2();
+  const bool avx512_bf16 = magicdec::cpu_has_avx512_bf16();
 #else
-  const bool avx512 = false, avx2 = false;
+  const bool avx512 = false, avx2 = false, avx512_bf16 = false;
 #endif
   if (isa == "auto") return avx512 ? Isa::kAvx512 : avx2 ? Isa::kAvx2 : Isa::kScalar;
-  if (isa == "avx512" && avx512) return Isa::kAvx512;
+  // The other kernels' names; these ops have no bf16 arithmetic of their own to pick.
+  if ((isa == "avx512" && avx512) || (isa == "avx512bf16" && avx512_bf16)) return Isa::kAvx512;
   if (isa == "avx2" && avx2) return Isa::kAvx2;
   if (isa == "scalar") return Isa::kScalar;
   TORCH_CHECK(false, "layer ops: instruction set '", isa, "' is not available here");

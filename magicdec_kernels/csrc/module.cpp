@@ -37,7 +37,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q_indptr"), py::arg("head_slots"), py::arg("kv_lens"), py::arg("scale"),
         py::arg("out"), py::arg("isa") = "auto", py::call_guard<py::gil_scoped_release>(),
         "Writes softmax(q k^T scale + causal) v into out and returns it; isa: 'auto', "
-        "'avx512', 'avx2' or 'scalar'.");
+        "'avx512bf16', 'avx512', 'avx2' or 'scalar'.");
   m.def("few_rows_linear", &few_rows_linear, py::arg("x"), py::arg("weight"), py::arg("out"),
         py::arg("isa") = "auto", py::call_guard<py::gil_scoped_release>(),
         "Writes x . weight^T into out ([rows, weight rows], x's dtype) and returns it; isa as "

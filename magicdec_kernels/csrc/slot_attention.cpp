@@ -7,7 +7,10 @@
 // task), straight from the pool by slot index, with an online softmax over blocks of two vectors
 // of keys. Per block, the keys are transposed to [D, keys] in L1, so each row's scores are a few
 // vectors of broadcast-FMAs over d, and each value row is loaded once for all rows of the task:
-// both products are small GEMM micro-kernels with the accumulators in registers.
+// both products are small GEMM micro-kernels with the accumulators in registers. With bf16
+// queries and KV on a CPU with AVX512-BF16 ("avx512bf16"), both products are bf16 pair dot
+// products instead (`Bf16Dot`): twice the multiply-adds per instruction, where verify's 12 rows
+// per KV head are compute-bound.
 //
 // Work is split into (request, KV head, row tile, key chunk) tasks that threads pull from a shared
 // counter inside at::parallel_for, so one long request still keeps every core streaming. Chunks of
@@ -34,6 +37,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_common.h"
@@ -70,6 +74,11 @@ struct Scratch {
   float* acc;  // [kMaxRows, Dv] un-normalised output rows
   float* l_lanes;  // [kMaxRows, W] running sums of 2^(score - m), spread over the lanes
   const void* zeros;  // max(D, Dv) zero floats: stands in for the missing keys of a last block
+  // The bf16 dot-product path (both operands bf16): q as given, its scale applied to the scores;
+  // keys as [D / 2, KB] pairs of dims (kt's storage), values as [KB / 2, Dv] pairs of keys.
+  bf16_bits* q16;  // [kMaxRows, D]
+  uint32_t* vt2;   // [KB / 2, Dv]
+  float score_scale;  // scale * log2(e)
   // Scores are in log2 units: q is pre-multiplied by scale * log2(e).
   float m[kMaxRows];      // running max of each row's scores
   float l[kMaxRows];      // sum of 2^(score - m) (set at the end of a task)
@@ -83,7 +92,8 @@ struct Scratch {
     const size_t q_n = size_t(kMaxRows) * head_dim, kt_n = size_t(head_dim) * kMaxBlock;
     const size_t s_n = size_t(kMaxRows) * kMaxBlock, acc_n = size_t(kMaxRows) * v_dim;
     const size_t l_n = size_t(kMaxRows) * kMaxWidth, zeros_n = std::max(head_dim, v_dim);
-    const size_t total = q_n + kt_n + s_n + acc_n + l_n + zeros_n;
+    const size_t q16_n = q_n / 2, vt2_n = size_t(kMaxBlock / 2) * v_dim;
+    const size_t total = q_n + kt_n + s_n + acc_n + l_n + zeros_n + q16_n + vt2_n;
     // Every piece is a multiple of 16 floats, so 64-byte alignment of the whole aligns each.
     storage.reset(static_cast<float*>(std::aligned_alloc(64, total * sizeof(float))));
     TORCH_CHECK(storage, "slot_attention: out of memory for scratch");
@@ -95,6 +105,8 @@ struct Scratch {
     float* zero_floats = l_lanes + l_n;
     std::fill(zero_floats, zero_floats + zeros_n, 0.0f);
     zeros = zero_floats;
+    q16 = reinterpret_cast<bf16_bits*>(zero_floats + zeros_n);
+    vt2 = reinterpret_cast<uint32_t*>(zero_floats + zeros_n + q16_n);
   }
 };
 
@@ -112,7 +124,9 @@ using AttendFn = bool (*)(const Pool&, const int64_t* list, int64_t list_stride,
 #ifdef MAGICDEC_X86
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
+// avx512bf16 only for the intrinsics of `Bf16Dot`, taken where the CPU has them (the body holds
+// no float-to-bf16 conversion the compiler could turn into one).
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
 namespace slot_avx512 {
 namespace {
 
@@ -160,7 +174,7 @@ struct Ops {
     return _mm512_scalef_ps(p, n);
   }
   // t[i][j] <- t[j][i] for a 16 x 16 block.
-  static inline void transpose(V (&t)[W]) {
+  __attribute__((always_inline)) static inline void transpose(V (&t)[W]) {
     __m512 u[16], v[16];
     for (int i = 0; i < 16; i += 4) {
       const __m512 a0 = _mm512_unpacklo_ps(t[i], t[i + 1]);
@@ -194,6 +208,138 @@ struct Ops {
 #define SLOT_ATTENTION_BODY
 #include __FILE__
 #undef SLOT_ATTENTION_BODY
+
+// bf16 queries and KV with AVX512-BF16: both products as dot products of bf16 pairs
+// (`vdpbf16ps`: per float32 lane, two exact products added to the accumulator), twice the
+// multiply-adds per instruction of the widened FMAs and half the transposing. Keys are
+// transposed in pairs of dims, values interleaved in pairs of keys. q is used as given, its scale
+// applied to the float32 scores; the probabilities are rounded to bf16 for the value product, as
+// GPU flash attention does (a relative 2^-9 per probability; softmax and its sums stay float32).
+struct Bf16Dot {
+  using T = bf16_bits;
+
+  static inline __m512 dot(__m512 acc, __m512i pairs, __m512i broadcast) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)pairs, (__m512bh)broadcast);
+  }
+  static inline __m512i load_pairs(const void* p) { return _mm512_loadu_si512(p); }
+  // The block's probabilities in place of their scores, as bf16 pairs of keys: [rows, KB / 2].
+  static inline const uint32_t* probability_pairs(Scratch& sc, int r) {
+    return reinterpret_cast<const uint32_t*>(sc.s + r * KB);
+  }
+
+  static inline void scores(const bf16_bits* const* kp, int D, int rows, Scratch& sc) {
+    // kt2[d2, j] = dims 2 d2 and 2 d2 + 1 of key j: a 16 x 16 transpose of 32-bit pairs.
+    uint32_t* kt2 = reinterpret_cast<uint32_t*>(sc.kt);
+    for (int half = 0; half < KB; half += W) {
+      for (int d0 = 0; d0 < D; d0 += 2 * W) {
+        V t[W];
+        for (int j = 0; j < W; ++j) t[j] = _mm512_castsi512_ps(load_pairs(kp[half + j] + d0));
+        Ops::transpose(t);
+        for (int i = 0; i < W; ++i) Ops::store(reinterpret_cast<float*>(kt2 + (d0 / 2 + i) * KB + half), t[i]);
+      }
+    }
+    int r = 0;
+    for (; r + kTileRows <= rows; r += kTileRows) score_tile<kTileRows>(kt2, D, r, sc);
+    with_rows<kTileRows - 1>(rows - r, [&](auto nr) { score_tile<nr()>(kt2, D, r, sc); });
+  }
+
+  template <int NR>
+  static inline void score_tile(const uint32_t* kt2, int D, int r0, Scratch& sc) {
+    // Few rows (decode): even and odd pairs in separate accumulators, for enough independent
+    // chains to hide the dot product's latency.
+    constexpr int NA = NR <= 3 ? 2 : 1;
+    const int pairs = D / 2;
+    const uint32_t* q = reinterpret_cast<const uint32_t*>(sc.q16 + r0 * D);
+    __m512 acc[NA][NR][2];
+    for (int a = 0; a < NA; ++a)
+      for (int r = 0; r < NR; ++r) acc[a][r][0] = acc[a][r][1] = _mm512_setzero_ps();
+    for (int d2 = 0; d2 < pairs; d2 += NA) {
+      for (int a = 0; a < NA; ++a) {
+        const __m512i k0 = load_pairs(kt2 + (d2 + a) * KB), k1 = load_pairs(kt2 + (d2 + a) * KB + W);
+        for (int r = 0; r < NR; ++r) {
+          const __m512i qr = _mm512_set1_epi32(int(q[r * pairs + d2 + a]));
+          acc[a][r][0] = dot(acc[a][r][0], k0, qr);
+          acc[a][r][1] = dot(acc[a][r][1], k1, qr);
+        }
+      }
+    }
+    const __m512 scale = _mm512_set1_ps(sc.score_scale);
+    for (int r = 0; r < NR; ++r) {
+      if constexpr (NA == 2) {
+        acc[0][r][0] = _mm512_add_ps(acc[0][r][0], acc[1][r][0]);
+        acc[0][r][1] = _mm512_add_ps(acc[0][r][1], acc[1][r][1]);
+      }
+      Ops::store(sc.s + (r0 + r) * KB, _mm512_mul_ps(acc[0][r][0], scale));
+      Ops::store(sc.s + (r0 + r) * KB + W, _mm512_mul_ps(acc[0][r][1], scale));
+    }
+  }
+
+  template <bool kRescale>
+  static inline void values(const bf16_bits* const* vp, int nk, int Dv, int rows, Scratch& sc) {
+    // vt2[m, c] = (v[2m, c], v[2m + 1, c]): word 2i of a vector from the first row, 2i + 1 from
+    // the second (a key past nk reads zeros, with probability 0).
+    alignas(64) static constexpr uint16_t kInterleave[32] = {
+        0, 32, 1, 33, 2, 34, 3, 35, 4,  36, 5,  37, 6,  38, 7,  39,
+        8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    const __m512i interleave = _mm512_load_si512(kInterleave);
+    const int pairs = (nk + 1) / 2;
+    for (int m = 0; m < pairs; ++m) {
+      for (int c = 0; c < Dv; c += W) {
+        const __m512i first =
+            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vp[2 * m] + c)));
+        const __m512i second = _mm512_castsi256_si512(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vp[2 * m + 1] + c)));
+        _mm512_storeu_si512(sc.vt2 + m * Dv + c, _mm512_permutex2var_epi16(first, interleave, second));
+      }
+    }
+    for (int r = 0; r < rows; ++r) {
+      float* p = sc.s + r * KB;
+      const __m512bh rounded = _mm512_cvtne2ps_pbh(Ops::load(p + W), Ops::load(p));
+      _mm512_storeu_si512(p, (__m512i)rounded);
+    }
+    int r = 0;
+    for (; r + kTileRows <= rows; r += kTileRows) value_tile<kTileRows, kRescale>(pairs, Dv, r, sc);
+    with_rows<kTileRows - 1>(rows - r, [&](auto nr) { value_tile<nr(), kRescale>(pairs, Dv, r, sc); });
+  }
+
+  template <int NR, bool kRescale>
+  static inline void value_tile(int pairs, int Dv, int r0, Scratch& sc) {
+    int c = 0;
+    // Few rows (decode): four vectors of columns at once, for more independent chains.
+    if constexpr (NR <= 3) {
+      for (; c + 4 * W <= Dv; c += 4 * W) value_chunk<NR, 4, kRescale>(pairs, Dv, c, r0, sc);
+    }
+    for (; c + 2 * W <= Dv; c += 2 * W) value_chunk<NR, 2, kRescale>(pairs, Dv, c, r0, sc);
+    if (c < Dv) value_chunk<NR, 1, kRescale>(pairs, Dv, c, r0, sc);
+  }
+
+  template <int NR, int NC, bool kRescale>
+  static inline void value_chunk(int pairs, int Dv, int c, int r0, Scratch& sc) {
+    float* acc = sc.acc + r0 * Dv;
+    __m512 a[NR][NC];
+    for (int r = 0; r < NR; ++r) {
+      for (int i = 0; i < NC; ++i) {
+        a[r][i] = Ops::load(acc + r * Dv + c + i * W);
+        if constexpr (kRescale) a[r][i] = _mm512_mul_ps(a[r][i], _mm512_set1_ps(sc.alpha[r0 + r]));
+      }
+    }
+    for (int m = 0; m < pairs; ++m) {
+      __m512i v[NC];
+      for (int i = 0; i < NC; ++i) v[i] = load_pairs(sc.vt2 + m * Dv + c + i * W);
+      for (int r = 0; r < NR; ++r) {
+        const __m512i pr = _mm512_set1_epi32(int(probability_pairs(sc, r0 + r)[m]));
+        for (int i = 0; i < NC; ++i) a[r][i] = dot(a[r][i], v[i], pr);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int i = 0; i < NC; ++i) Ops::store(acc + r * Dv + c + i * W, a[r][i]);
+  }
+};
+
+bool attend_bf16_dot(const Pool& pool, const int64_t* list, int64_t list_stride, int64_t head,
+                     int rows, int64_t key_begin, int64_t key_end, Scratch& sc) {
+  return attend_with<Bf16Dot>(pool, list, list_stride, head, rows, key_begin, key_end, sc);
+}
 
 }  // namespace
 }  // namespace slot_avx512
@@ -260,7 +406,7 @@ struct Ops {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2));
   }
   // t[i][j] <- t[j][i] for an 8 x 8 block.
-  static inline void transpose(V (&t)[W]) {
+  __attribute__((always_inline)) static inline void transpose(V (&t)[W]) {
     __m256 u[8];
     for (int i = 0; i < 8; i += 4) {
       const __m256 a0 = _mm256_unpacklo_ps(t[i], t[i + 1]);
@@ -362,7 +508,7 @@ struct Ops {
     for (int i = 0; i < W; ++i) a.x[i] = std::exp2(a.x[i]);
     return a;
   }
-  static inline void transpose(V (&t)[W]) {
+  __attribute__((always_inline)) static inline void transpose(V (&t)[W]) {
     for (int i = 0; i < W; ++i)
       for (int j = i + 1; j < W; ++j) std::swap(t[i].x[j], t[j].x[i]);
   }
@@ -386,19 +532,26 @@ struct Isa {
   const char* name;
   AttendFn attend_f32;
   AttendFn attend_bf16;
+  AttendFn attend_bf16_dot;  // bf16 queries and KV, head dim a multiple of 32; or null
 };
 
 std::vector<Isa> supported_isas() {
   std::vector<Isa> isas;
 #ifdef MAGICDEC_X86
+  if (magicdec::cpu_has_avx512_bf16()) {
+    isas.push_back({"avx512bf16", &slot_avx512::attend<float>, &slot_avx512::attend<bf16_bits>,
+                    &slot_avx512::attend_bf16_dot});
+  }
   if (magicdec::cpu_has_avx512()) {
-    isas.push_back({"avx512", &slot_avx512::attend<float>, &slot_avx512::attend<bf16_bits>});
+    isas.push_back(
+        {"avx512", &slot_avx512::attend<float>, &slot_avx512::attend<bf16_bits>, nullptr});
   }
   if (magicdec::cpu_has_avx2()) {
-    isas.push_back({"avx2", &slot_avx2::attend<float>, &slot_avx2::attend<bf16_bits>});
+    isas.push_back({"avx2", &slot_avx2::attend<float>, &slot_avx2::attend<bf16_bits>, nullptr});
   }
 #endif
-  isas.push_back({"scalar", &slot_scalar::attend<float>, &slot_scalar::attend<bf16_bits>});
+  isas.push_back(
+      {"scalar", &slot_scalar::attend<float>, &slot_scalar::attend<bf16_bits>, nullptr});
   return isas;
 }
 
@@ -433,7 +586,7 @@ template <typename QT>
 void run_all(const torch::Tensor& q, const Pool& pool, const torch::Tensor& head_slots,
              const std::vector<int64_t>& q_start, const std::vector<int64_t>& q_len,
              const std::vector<int64_t>& kv_len, int64_t num_kv_heads, int group, float scale,
-             torch::Tensor& out, AttendFn attend) {
+             torch::Tensor& out, AttendFn attend, bool bf16_dot) {
   const int64_t batch = int64_t(q_len.size());
   const int D = pool.head_dim, Dv = pool.v_dim;
   const int threads = std::max(1, at::get_num_threads());
@@ -501,11 +654,19 @@ void run_all(const torch::Tensor& q, const Pool& pool, const torch::Tensor& head
     const int rows = task.row_end - task.row_begin;
     const int64_t b = task.b;
     sc.max_visible = 0;
+    sc.score_scale = scale_log2;
     for (int r = 0; r < rows; ++r) {
       const int64_t row = task.row_begin + r, token = row / group;
       const int64_t head = task.h * group + row % group;
       const QT* src = q_data + (q_start[b] + token) * q_s0 + head * q_s1;
-      for (int d = 0; d < D; ++d) sc.q[r * D + d] = to_float(src[d]) * scale_log2;
+      if constexpr (std::is_same_v<QT, c10::BFloat16>) {
+        if (bf16_dot) {
+          for (int d = 0; d < D; ++d) sc.q16[r * D + d] = src[d].x;
+        }
+      }
+      if (!bf16_dot) {
+        for (int d = 0; d < D; ++d) sc.q[r * D + d] = to_float(src[d]) * scale_log2;
+      }
       sc.visible[r] = std::clamp<int64_t>(kv_len[b] - q_len[b] + token + 1, 0, kv_len[b]);
       sc.max_visible = std::max(sc.max_visible, sc.visible[r]);
       sc.m[r] = kNegInf;
@@ -654,15 +815,19 @@ torch::Tensor slot_attention(const torch::Tensor& q, const torch::Tensor& k_cach
   const Pool pool{k_cache.data_ptr(),   v_cache.data_ptr(),   k_cache.stride(0),
                   k_cache.stride(1),    v_cache.stride(0),    v_cache.stride(1),
                   num_slots,            int(head_dim),        int(v_dim)};
-  const AttendFn attend = kv_type == at::kFloat ? chosen->attend_f32 : chosen->attend_bf16;
+  const bool bf16_dot = chosen->attend_bf16_dot != nullptr && q_type == at::kBFloat16 &&
+                        kv_type == at::kBFloat16 && head_dim % 32 == 0;
+  const AttendFn attend = bf16_dot              ? chosen->attend_bf16_dot
+                          : kv_type == at::kFloat ? chosen->attend_f32
+                                                  : chosen->attend_bf16;
   const int group = int(num_q_heads / num_kv_heads);
   const float scale_f = float(scale);
   if (q_type == at::kFloat) {
     run_all<float>(q, pool, head_slots, q_start, q_len, kv_len, num_kv_heads, group, scale_f, out,
-                   attend);
+                   attend, bf16_dot);
   } else {
     run_all<c10::BFloat16>(q, pool, head_slots, q_start, q_len, kv_len, num_kv_heads, group,
-                           scale_f, out, attend);
+                           scale_f, out, attend, bf16_dot);
   }
   return out;
 }
@@ -728,7 +893,7 @@ inline void score_tile(const float* q, int D, const float* kt, float* s) {
   }
 }
 
-inline void scores(const float* q, int D, const float* kt, int rows, float* s) {
+inline void score_rows(const float* q, int D, const float* kt, int rows, float* s) {
   int r = 0;
   for (; r + kTileRows <= rows; r += kTileRows) score_tile<kTileRows>(q + r * D, D, kt, s + r * KB);
   with_rows<kTileRows - 1>(rows - r, [&](auto nr) {
@@ -773,8 +938,8 @@ inline void value_tile(const KV* const* vp, int nk, int Dv, const float* p, cons
 }
 
 template <bool kRescale, typename KV>
-inline void values(const KV* const* vp, int nk, int Dv, const float* p, const float* alpha,
-                   int rows, float* acc) {
+inline void value_rows(const KV* const* vp, int nk, int Dv, const float* p,
+                       const float* alpha, int rows, float* acc) {
   int r = 0;
   for (; r + kTileRows <= rows; r += kTileRows) {
     value_tile<kTileRows, kRescale>(vp, nk, Dv, p + r * KB, alpha + r, acc + r * Dv);
@@ -784,9 +949,35 @@ inline void values(const KV* const* vp, int nk, int Dv, const float* p, const fl
   });
 }
 
+// How a block's two products are computed: `Widened<KV>` widens bf16 to float32 and multiplies
+// with FMAs (float32 q, pre-scaled); an instruction set may add its own (AVX512-BF16 below).
+// scores(kp, D, rows, sc) leaves the block's scores in sc.s (log2 units); values<kRescale>(vp, nk,
+// Dv, rows, sc) adds the probabilities in sc.s times the values to sc.acc (rescaled by sc.alpha).
 template <typename KV>
-bool attend(const Pool& pool, const int64_t* list, int64_t list_stride, int64_t head, int rows,
-            int64_t key_begin, int64_t key_end, Scratch& sc) {
+struct Widened {
+  using T = KV;
+  static inline void scores(const KV* const* kp, int D, int rows, Scratch& sc) {
+    // The block's keys transposed to [D, KB], then KB scores per row by broadcast-FMA.
+    for (int half = 0; half < KB; half += W) {
+      for (int d0 = 0; d0 < D; d0 += W) {
+        V t[W];
+        for (int j = 0; j < W; ++j) t[j] = Ops::load(kp[half + j] + d0);
+        Ops::transpose(t);
+        for (int j = 0; j < W; ++j) Ops::store(sc.kt + (d0 + j) * KB + half, t[j]);
+      }
+    }
+    score_rows(sc.q, D, sc.kt, rows, sc.s);
+  }
+  template <bool kRescale>
+  static inline void values(const KV* const* vp, int nk, int Dv, int rows, Scratch& sc) {
+    value_rows<kRescale>(vp, nk, Dv, sc.s, sc.alpha, rows, sc.acc);
+  }
+};
+
+template <typename Products>
+bool attend_with(const Pool& pool, const int64_t* list, int64_t list_stride, int64_t head,
+                 int rows, int64_t key_begin, int64_t key_end, Scratch& sc) {
+  using KV = typename Products::T;
   const int D = pool.head_dim, Dv = pool.v_dim;
   const KV* k_base = static_cast<const KV*>(pool.k) + head * pool.k_head_stride;
   const KV* v_base = static_cast<const KV*>(pool.v) + head * pool.v_head_stride;
@@ -820,16 +1011,7 @@ bool attend(const Pool& pool, const int64_t* list, int64_t list_stride, int64_t 
       const char* k_row = reinterpret_cast<const char*>(k_base + slot * pool.k_slot_stride);
       for (size_t byte = 0; byte < D * sizeof(KV); byte += 64) Ops::prefetch(k_row + byte);
     }
-    // Scores: the block's keys transposed to [D, KB], then KB scores per row by broadcast-FMA.
-    for (int half = 0; half < KB; half += W) {
-      for (int d0 = 0; d0 < D; d0 += W) {
-        V t[W];
-        for (int j = 0; j < W; ++j) t[j] = Ops::load(kp[half + j] + d0);
-        Ops::transpose(t);
-        for (int j = 0; j < W; ++j) Ops::store(sc.kt + (d0 + j) * KB + half, t[j]);
-      }
-    }
-    scores(sc.q, D, sc.kt, rows, sc.s);
+    Products::scores(kp, D, rows, sc);
     // Online softmax. The running max m only moves when a score exceeds it (rare after the first
     // blocks), so the usual block is a compare, an exp2 and an add per row and vector; the row
     // sums stay spread over W lanes until the end. Probabilities overwrite the scores.
@@ -874,13 +1056,19 @@ bool attend(const Pool& pool, const int64_t* list, int64_t list_stride, int64_t 
       for (size_t byte = 0; byte < Dv * sizeof(KV); byte += 64) Ops::prefetch(v_row + byte);
     }
     if (rescale) {
-      values<true>(vp, nk, Dv, sc.s, sc.alpha, rows, sc.acc);
+      Products::template values<true>(vp, nk, Dv, rows, sc);
     } else {
-      values<false>(vp, nk, Dv, sc.s, sc.alpha, rows, sc.acc);
+      Products::template values<false>(vp, nk, Dv, rows, sc);
     }
   }
   for (int r = 0; r < rows; ++r) sc.l[r] = Ops::hsum(Ops::load(sc.l_lanes + r * W));
   return ok;
+}
+
+template <typename KV>
+bool attend(const Pool& pool, const int64_t* list, int64_t list_stride, int64_t head, int rows,
+            int64_t key_begin, int64_t key_end, Scratch& sc) {
+  return attend_with<Widened<KV>>(pool, list, list_stride, head, rows, key_begin, key_end, sc);
 }
 
 #endif  // SLOT_ATTENTION_BODY
