@@ -201,6 +201,8 @@ def register_fused_op_forwards() -> None:
 HOOKS = {
     "sglang.srt.mem_cache.allocation.assign_req_to_token_pool_func": assign_req_to_token_pool,
 }
+# Decode-sized forwards of Llama models run their layers' ops directly (`decode_forward.py`).
+LLAMA_MODEL_FORWARD = "sglang.srt.models.llama.LlamaModel.forward"
 AROUND_HOOKS = {
     "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply": decode_sized_linear,
     "sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head": decode_sized_lm_head,
@@ -215,3 +217,6 @@ def register() -> None:
     for target, wrapper in AROUND_HOOKS.items():
         HookRegistry.register(target, wrapper, HookType.AROUND)
     register_fused_op_forwards()
+    from sglang_magicdec.platforms import decode_forward
+
+    HookRegistry.register(LLAMA_MODEL_FORWARD, decode_forward.llama_forward, HookType.AROUND)
