@@ -40,6 +40,7 @@ from benchmark.common import (
     alpha_of,
     load_tokenizer,
     magicdec_info,
+    pool_tokens,
     run_batch,
     save_plot,
 )
@@ -48,6 +49,10 @@ from sglang_magicdec.server_process import ServerProcess, start_server
 
 SOURCE_FILE = {1024: "pg19_4K", 2048: "pg19_4K", 4096: "pg19_8K", 8192: "pg19_16K"}
 SPECULATIVE = ["--speculative-algorithm", "MAGICDEC"]
+# SGLang sizes the KV pool from free memory and `--mem-fraction-static`, and `--max-total-tokens`
+# only caps it: at the platform's default fraction, 16 × 7,936 float32 tokens do not fit beside
+# a second server. Two servers of the largest point fit this machine's 24 GiB at 0.6.
+POOL_MEM_FRACTION = "0.6"
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 MAGICDEC_BUDGET = 512  # the server's default --magicdec-budget
 
@@ -293,7 +298,8 @@ def main() -> None:
     points: list[dict] = []
     for context in contexts:
         # The pool holds the largest batch at this context, and no more: two servers are alive.
-        pool = ["--max-total-tokens", str(max(batches) * (context + 2 * args.new_tokens))]
+        pool_size = max(batches) * (context + 2 * args.new_tokens)
+        pool = ["--max-total-tokens", str(pool_size), "--mem-fraction-static", POOL_MEM_FRACTION]
         common = ["--dtype", args.dtype, *pool]
         env = None
         if args.context_length:
@@ -305,6 +311,12 @@ def main() -> None:
             for name, server_args in (("ar", []), *modes.items()):
                 server = start_server([*common, *server_args], log_dir, env=env)
                 servers[name] = server
+                if pool_tokens(server.url) < pool_size:
+                    # The prompts would be evicted between turns: every turn would time a prefill.
+                    raise SystemExit(
+                        f"{name} server's KV pool holds {pool_tokens(server.url)} tokens, "
+                        f"{pool_size} needed for {max(batches)} × {context}: free memory"
+                    )
                 run_batch(server, prompts[context], 1)  # prefill once, into the radix cache
                 for batch in batches:
                     run_batch(server, prompts[context][:batch], 16)  # warm-up
