@@ -33,11 +33,6 @@ def run_batch(server: ServerProcess, prompts: list[list[int]], new_tokens: int) 
         )
 
 
-def pool_tokens(url: str) -> int:
-    """The KV pool's size in tokens as the server allocated it."""
-    return requests.get(f"{url}/get_server_info", timeout=30).json()["max_total_num_tokens"]
-
-
 def magicdec_info(url: str) -> dict:
     """The `magicdec` section of a server's `/get_server_info` ({} without MAGICDEC)."""
     state = requests.get(f"{url}/get_server_info", timeout=30).json()

@@ -40,7 +40,6 @@ from benchmark.common import (
     alpha_of,
     load_tokenizer,
     magicdec_info,
-    pool_tokens,
     run_batch,
     save_plot,
 )
@@ -311,10 +310,11 @@ def main() -> None:
             for name, server_args in (("ar", []), *modes.items()):
                 server = start_server([*common, *server_args], log_dir, env=env)
                 servers[name] = server
-                if pool_tokens(server.url) < pool_size:
+                pool_held = server.server_info()["max_total_num_tokens"]
+                if pool_held < pool_size:
                     # The prompts would be evicted between turns: every turn would time a prefill.
                     raise SystemExit(
-                        f"{name} server's KV pool holds {pool_tokens(server.url)} tokens, "
+                        f"{name} server's KV pool holds {pool_held} tokens, "
                         f"{pool_size} needed for {max(batches)} × {context}: free memory"
                     )
                 run_batch(server, prompts[context], 1)  # prefill once, into the radix cache
