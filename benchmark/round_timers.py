@@ -26,7 +26,7 @@ from collections.abc import Callable
 ENV = "MAGICDEC_ROUND_TIMERS"
 # Outermost first: a kernel's time counts for the innermost part it ran in.
 PARTS = ("_speculate", "_plain_decode", "_draft_round", "_draft_step", "_verify", "_commit")
-KERNELS = {"few_rows_linear_native": "linear", "slot_attention_native": "attention"}
+KERNELS = {"few_rows_linear": "linear", "slot_attention": "attention"}
 SITECUSTOMIZE = "import benchmark.round_timers as timers\ntimers.install()\n"
 
 # part -> [calls, seconds]; (part, kernel) -> seconds.

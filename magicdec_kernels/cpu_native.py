@@ -1,6 +1,10 @@
-"""MagicDec's native CPU kernels (C++ in csrc/): attention over lists of KV-pool slots, products
-of a few rows with a weight matrix (`few_rows_linear`, below), and a decoder layer's per-token ops
-(`rms_norm`, `rotary_embedding`, `silu_and_mul`, `store_kv`, below).
+"""MagicDec's native CPU ops (C++ in csrc/, built and loaded by `loader`): attention over lists of
+KV-pool slots (`slot_attention`), products of a few rows with a weight matrix (`few_rows_linear`),
+and a decoder layer's per-token ops (`rms_norm`, `rotary_embedding`, `silu_and_mul`, `store_kv`).
+Each runs the native kernel where it is loaded and takes the tensors; otherwise `slot_attention`
+runs its torch reference (`slot_attention_torch`, also the whole of the `magicdec_cpu_torch`
+backend) and the others return None (or False) so that the caller runs SGLang's torch code.
+The other ops' torch references, which only tests use, are in test/references.py.
 
 Slot attention (csrc/slot_attention.cpp).
 
@@ -31,86 +35,16 @@ A row that sees no key gets zeros. Softmax and accumulation run in float32. Quer
 every request's range are not written. With bf16 q and KV (head dim a multiple of 32) on a CPU
 with AVX512-BF16, both products are bf16 pair dot products (exact products, float32 sums), and
 the probabilities are rounded to bf16 for the value product, as GPU flash attention does.
-
-`native()` builds (once; later loads only check the sources) and loads the extension, or says in
-one warning why it cannot and returns None; `slot_attention` takes the native kernel when it is
-loaded and supports the shapes, `slot_attention_torch` (the reference) otherwise.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-import sys
-import time
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
-logger = logging.getLogger(__name__)
-
-BUILD_DIR = Path(__file__).parent / "_native"
-SOURCES = [
-    Path(__file__).parent / "csrc" / name
-    for name in ("module.cpp", "slot_attention.cpp", "few_rows_linear.cpp", "layer_ops.cpp")
-]
-EXTENSION_NAME = "magicdec_cpu_kernels"
-
-
-def build(verbose: bool = False) -> ModuleType:
-    """Compile (if the sources changed) and load the extension module."""
-    cpp_extension = _import_cpp_extension()
-    BUILD_DIR.mkdir(parents=True, exist_ok=True)
-    # at::parallel_for is inline: under torch's OpenMP backend its `omp parallel` is compiled into
-    # the extension, which then shares torch's libgomp (already loaded) and thread count.
-    openmp = ["-fopenmp"] if torch.backends.openmp.is_available() else []
-    return cpp_extension.load(
-        name=EXTENSION_NAME,
-        sources=[str(source.resolve()) for source in SOURCES],
-        build_directory=str(BUILD_DIR),
-        # No -march=native: the source picks AVX-512 / AVX2 per function at run time.
-        extra_cflags=["-O3", *openmp],
-        extra_ldflags=openmp,
-        is_python_module=True,
-        verbose=verbose,
-    )
-
-
-def _import_cpp_extension() -> ModuleType:
-    # Its import warns "No CUDA runtime is found" on CPU machines that have a CUDA_HOME: noise in
-    # every server process here, where only the host compiler is used.
-    cpp_logger = logging.getLogger("torch.utils.cpp_extension")
-    level = cpp_logger.level
-    cpp_logger.setLevel(logging.ERROR)
-    try:
-        from torch.utils import cpp_extension
-    finally:
-        cpp_logger.setLevel(level)
-    return cpp_extension
-
-
-@functools.cache
-def native() -> ModuleType | None:
-    """The loaded extension, or None (with one warning saying why) where it cannot run well."""
-    try:
-        module = build()
-    except Exception as error:  # a missing compiler, headers, a read-only tree...
-        logger.warning("native CPU kernels unavailable (build failed: %s)", _reason(error))
-        return None
-    if module.best_isa() == "scalar":
-        logger.warning("native CPU kernels unavailable (this CPU has neither AVX2 nor AVX-512)")
-        return None
-    return module
-
-
-def _reason(error: Exception) -> str:
-    """One line of a build error: the compiler's first error, else the message's last line."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    if not lines:
-        return repr(error)
-    compiler_errors = [line for line in lines if "error:" in line]
-    return (compiler_errors[0] if compiler_errors else lines[-1])[:300]
+from magicdec_kernels.loader import native
+from magicdec_kernels.shapes import check_gqa
 
 
 def supports_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -129,27 +63,6 @@ def supports_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     )
 
 
-def slot_attention_native(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    q_indptr: torch.Tensor,
-    head_slots: torch.Tensor,
-    kv_lens: torch.Tensor,
-    scale: float,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The native kernel (raises if `native()` is None). Returns out, [Nq, Hq, Dv]."""
-    module = native()
-    if module is None:
-        raise RuntimeError("the native slot attention extension is not available")
-    if out is None:
-        out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[2])
-    return module.slot_attention(
-        q, k_cache, v_cache, q_indptr, head_slots, kv_lens, float(scale), out
-    )
-
-
 def slot_attention_torch(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -160,38 +73,66 @@ def slot_attention_torch(
     scale: float,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The same attention in plain torch, one request at a time (the reference path)."""
+    """The same attention in plain torch (the reference, and the `magicdec_cpu_torch` backend):
+    the batch's lists gathered padded to one width and its query rows padded to the longest
+    request's, then two batched matmuls and a masked softmax in float32."""
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, v_dim = k_cache.shape[1], v_cache.shape[2]
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    check_gqa(num_q_heads, num_kv_heads)
     group = num_q_heads // num_kv_heads
     if out is None:
         out = q.new_empty(q.shape[0], num_q_heads, v_dim)
-    keys_by_head, values_by_head = k_cache.permute(1, 0, 2), v_cache.permute(1, 0, 2)
-    heads = torch.arange(num_kv_heads, device=q.device)[:, None]
-    bounds, lens = q_indptr.tolist(), kv_lens.tolist()
-    for b, kv_len in enumerate(lens):
-        q_start, q_end = bounds[b], bounds[b + 1]
-        q_len = q_end - q_start
-        if q_len == 0:
-            continue
-        if kv_len == 0:
-            out[q_start:q_end] = 0
-            continue
-        slots = head_slots[b, :, :kv_len].expand(num_kv_heads, kv_len)
-        keys = keys_by_head[heads, slots].float()  # [Hkv, n, D]
-        values = values_by_head[heads, slots].float()
-        # [Hkv, group, q_len, D]: the query heads of one KV head share its keys.
-        queries = q[q_start:q_end].reshape(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-        scores = torch.matmul(queries.float(), keys.transpose(1, 2)[:, None]).mul_(scale)
-        rows = torch.arange(q_len, device=q.device)[:, None]
-        hidden = torch.arange(kv_len, device=q.device)[None, :] >= kv_len - q_len + rows + 1
-        scores.masked_fill_(hidden, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # a row seeing nothing: zeros
-        result = torch.matmul(probs, values[:, None])  # [Hkv, group, q_len, Dv]
-        out[q_start:q_end] = result.permute(2, 0, 1, 3).reshape(q_len, num_q_heads, v_dim)
+    batch, width = kv_lens.numel(), head_slots.shape[-1]
+    q_lens = q_indptr[1:] - q_indptr[:-1]
+    q_rows = int(q_lens.max()) if batch else 0
+    if q_rows == 0:
+        return out
+    # Padded row i of request b is its row min(i, q_len - 1) (padding rows are dropped).
+    row_index = torch.arange(q_rows)[None, :].minimum((q_lens - 1).clamp(min=0)[:, None])
+    rows = (q_indptr[:-1, None] + row_index).clamp(max=max(q.shape[0] - 1, 0))
+    queries = (
+        q[rows.view(-1)]
+        .view(batch, q_rows, num_kv_heads, group, head_dim)
+        .permute(0, 2, 3, 1, 4)
+        .reshape(batch, num_kv_heads, group * q_rows, head_dim)
+        .float()
+    )  # the query heads of one KV head, and their rows, share a matmul
+    # Entries past a list's length are never read: slot 0 stands in for whatever they hold.
+    listed = torch.arange(width)[None, None, :] < kv_lens[:, None, None]
+    lists = torch.where(listed, head_slots, 0).expand(batch, num_kv_heads, width)
+    keys = _gather_rows(k_cache, lists).float()  # [B, Hkv, W, D]
+    values = _gather_rows(v_cache, lists).float()
+    scores = torch.matmul(queries, keys.transpose(-1, -2)).mul_(scale)
+    # Row i of a request sees the first kv_len - q_len + i + 1 entries of its list.
+    seen = (kv_lens - q_lens)[:, None] + torch.arange(q_rows)[None, :] + 1  # [B, q_rows]
+    hidden = torch.arange(width)[None, None, :] >= seen[:, :, None]
+    scores = scores.view(batch, num_kv_heads, group, q_rows, width)
+    scores.masked_fill_(hidden[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # a row seeing nothing: zeros
+    result = torch.matmul(probs.view(batch, num_kv_heads, group * q_rows, width), values)
+    result = (
+        result.view(batch, num_kv_heads, group, q_rows, v_dim)
+        .permute(0, 3, 1, 2, 4)
+        .reshape(batch * q_rows, num_q_heads, v_dim)
+    )
+    real = (torch.arange(q_rows)[None, :] < q_lens[:, None]).view(-1)
+    out[rows.view(-1)[real]] = result[real].to(out.dtype)
     return out
+
+
+def _gather_rows(cache: torch.Tensor, lists: torch.Tensor) -> torch.Tensor:
+    """cache[lists[b, h, j], h] as [B, Hkv, W, D]: one index_select on the pool's storage."""
+    batch, num_kv_heads, width = lists.shape
+    slots, dim = cache.shape[0], cache.shape[2]
+    heads = torch.arange(num_kv_heads)[None, :, None]
+    by_head = cache.permute(1, 0, 2)
+    if by_head.is_contiguous():  # our head-major pool: row h * slots + slot
+        flat, index = by_head.reshape(num_kv_heads * slots, dim), heads * slots + lists
+    elif cache.is_contiguous():  # token-major: row slot * Hkv + h
+        flat, index = cache.view(slots * num_kv_heads, dim), lists * num_kv_heads + heads
+    else:
+        return by_head[heads, lists]
+    return flat.index_select(0, index.reshape(-1)).view(batch, num_kv_heads, width, dim)
 
 
 def slot_attention(
@@ -204,10 +145,16 @@ def slot_attention(
     scale: float,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`slot_attention_native` where it is loaded and takes these tensors, else the torch one."""
-    if supports_native(q, k_cache, v_cache) and native() is not None:
-        return slot_attention_native(q, k_cache, v_cache, q_indptr, head_slots, kv_lens, scale, out)
-    return slot_attention_torch(q, k_cache, v_cache, q_indptr, head_slots, kv_lens, scale, out)
+    """The native kernel where it is loaded and takes these tensors, else `slot_attention_torch`.
+    Returns out, [Nq, Hq, Dv]."""
+    module = native() if supports_native(q, k_cache, v_cache) else None
+    if module is None:
+        return slot_attention_torch(q, k_cache, v_cache, q_indptr, head_slots, kv_lens, scale, out)
+    if out is None:
+        out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[2])
+    return module.slot_attention(
+        q, k_cache, v_cache, q_indptr, head_slots, kv_lens, float(scale), out
+    )
 
 
 def _cpu_has_amx() -> bool:
@@ -226,29 +173,6 @@ def _cpu_has_amx() -> bool:
 FEW_ROWS_MAX = {torch.float32: 64, torch.bfloat16: 8 if _cpu_has_amx() else 24}
 
 
-def few_rows_linear_native(
-    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """x·weightᵀ by the native kernel (raises if `native()` is None): x [M, K] contiguous,
-    weight [N, K] with contiguous rows, both float32 or both bfloat16; out [M, N], x's dtype.
-
-    Each output is one float32 dot product in a fixed order whatever M is, so a row's result does
-    not depend on the rows sharing the call; bf16 results are rounded once, to nearest even."""
-    module = native()
-    if module is None:
-        raise RuntimeError("the native CPU kernel extension is not available")
-    if out is None:
-        out = x.new_empty(x.shape[0], weight.shape[0])
-    return module.few_rows_linear(x, weight, out)
-
-
-def few_rows_linear_torch(
-    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The same product in torch (the reference path)."""
-    return torch.mm(x, weight.t(), out=out)
-
-
 def supports_few_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `few_rows_linear` takes the native kernel for these tensors."""
     return (
@@ -264,10 +188,16 @@ def supports_few_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """`few_rows_linear_native` where it is loaded and takes these tensors, else None."""
-    if supports_few_rows(x, weight) and native() is not None:
-        return few_rows_linear_native(x, weight)
-    return None
+    """x·weightᵀ by the native kernel where it is loaded and takes these tensors, else None:
+    x [M, K] contiguous, weight [N, K] with contiguous rows, both float32 or both bfloat16;
+    returns [M, N] in x's dtype.
+
+    Each output is one float32 dot product in a fixed order whatever M is, so a row's result does
+    not depend on the rows sharing the call; bf16 results are rounded once, to nearest even."""
+    module = native() if supports_few_rows(x, weight) else None
+    if module is None:
+        return None
+    return module.few_rows_linear(x, weight, x.new_empty(x.shape[0], weight.shape[0]))
 
 
 # A decoder layer's per-token ops (csrc/layer_ops.cpp): SGLang's torch versions of these are 5-20
@@ -311,22 +241,6 @@ def rms_norm(
     return out, residual_out
 
 
-def rms_norm_torch(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor,
-    eps: float,
-    cast_before_weight: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The same in torch (the reference path)."""
-    h = x.float() if residual is None else x.float() + residual.float()
-    residual_out = None if residual is None else h.to(x.dtype)
-    normed = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps)
-    if cast_before_weight:
-        return weight * normed.to(x.dtype), residual_out
-    return (normed * weight).to(x.dtype), residual_out
-
-
 def rotary_embedding(
     positions: torch.Tensor,
     query: torch.Tensor,
@@ -350,29 +264,6 @@ def rotary_embedding(
     return True
 
 
-def rotary_embedding_torch(
-    positions: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    head_size: int,
-    neox_style: bool,
-) -> bool:
-    """The same in torch (the reference path)."""
-    half = cos_sin_cache.shape[1] // 2
-    cos, sin = cos_sin_cache[positions].to(query.dtype).split(half, dim=-1)
-    cos, sin = cos[:, None], sin[:, None]
-    for rows in (query, key):
-        rotated = rows.view(rows.shape[0], -1, head_size)[..., : 2 * half]
-        if neox_style:
-            x1, x2 = rotated[..., :half].clone(), rotated[..., half:].clone()
-            rotated[..., :half], rotated[..., half:] = x1 * cos - x2 * sin, x2 * cos + x1 * sin
-        else:
-            x1, x2 = rotated[..., 0::2].clone(), rotated[..., 1::2].clone()
-            rotated[..., 0::2], rotated[..., 1::2] = x1 * cos - x2 * sin, x2 * cos + x1 * sin
-    return True
-
-
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     """silu(x[:, :d]) * x[:, d:] for x [T, 2d], silu rounded to x's dtype before the product."""
     if not _takes_rows(x) or x.shape[-1] % 2:
@@ -383,12 +274,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     out = x.new_empty(x.shape[0], x.shape[1] // 2)
     module.silu_and_mul(x, out)
     return out
-
-
-def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
-    """The same in torch (the reference path)."""
-    half = x.shape[-1] // 2
-    return torch.nn.functional.silu(x[..., :half]) * x[..., half:]
 
 
 def store_kv(
@@ -411,31 +296,3 @@ def store_kv(
         return False
     module.store_kv(k_cache, v_cache, loc, k, v)
     return True
-
-
-def store_kv_torch(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    loc: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-) -> bool:
-    """The same in torch (the reference path)."""
-    k_cache[loc] = k
-    v_cache[loc] = v
-    return True
-
-
-def _main(argv: list[str]) -> int:
-    if argv != ["build"]:
-        print("usage: python -m magicdec_kernels.cpu_native build", file=sys.stderr)
-        return 2
-    start = time.perf_counter()
-    module = build()
-    seconds = time.perf_counter() - start
-    print(f"{EXTENSION_NAME}: ready in {BUILD_DIR} ({module.best_isa()}, {seconds:.1f} s)")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))

@@ -7,7 +7,7 @@ decode with one KV head and `group` query heads, reading the rows `slot·Hkv + h
 a ragged CSR list (int32 offsets and indices) that FlashInfer's paged decode (page size 1) and
 SGLang's Triton decode kernel both take.
 
-Layout (as `sparse_decode`): q [B, Hq, D]; head_slots [B, Hkv, W]; kv_lens [B].
+Layout (as `sparse_decode_triton`): q [B, Hq, D]; head_slots [B, Hkv, W]; kv_lens [B].
 """
 
 from __future__ import annotations

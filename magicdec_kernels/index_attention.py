@@ -1,8 +1,7 @@
-"""Attention over an explicit list of KV-pool slots per request (torch implementation).
-
-This is the operation every MagicDec piece reduces to: dense decode reads all of a request's
-slots, verification reads all of them plus the γ+1 tokens being checked. KV is never copied out
-of SGLang's pool into a per-request cache; the slot lists index the pool directly.
+"""Extend (prefill) attention over an explicit list of KV-pool slots per request, in torch: the
+`magicdec_cpu` backends' extend path (decode, verify and draft steps take `cpu_native.
+slot_attention`). KV is never copied out of SGLang's pool into a per-request cache; the slot lists
+index the pool directly.
 
 Layout, as SGLang's backends use it:
     q          [num_q_tokens, num_q_heads, head_dim]      (requests back to back)
@@ -15,11 +14,11 @@ Layout, as SGLang's backends use it:
     kv_indices [total]      pool slot of each key, in sequence order
 
 Causality is aligned to the end: the last `q_len` keys of a request are its query tokens, in
-order, so query i sees the first `kv_len - q_len + i + 1` keys. Decode is q_len = 1 (sees all).
+order, so query i sees the first `kv_len - q_len + i + 1` keys.
 
-At long context the cost of decode and verify is reading K and V once. SGLang hands a prompt's
-slots out as one contiguous range, so the slot lists of a forward are planned once (shared by
-every layer) into:
+An extend over a long cached prefix with a few new tokens (a radix hit, a chat's next turn) costs
+reading that prefix's K and V. SGLang hands a prompt's slots out as one contiguous range, so the
+slot lists of a forward are planned once (shared by every layer) into:
 - runs: long contiguous ranges of keys every query row sees, read in place by torch's fused CPU
   attention kernel (one call per run, split in two along the keys so both cores stream), which
   also returns each row's log-sum-exp;
@@ -247,30 +246,3 @@ def _fused_sdpa(q, k_cache, v_cache, slots, scale: float) -> torch.Tensor:
         enable_gqa=q.shape[1] != k_cache.shape[1],
     )
     return result[0].transpose(0, 1)
-
-
-def reference_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    q_indptr: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Plain softmax attention, one query row and head at a time, in float64: the test oracle."""
-    num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
-    group = num_q_heads // num_kv_heads
-    out = torch.zeros(q.shape[0], num_q_heads, v_cache.shape[2], dtype=torch.float64)
-    for r in range(kv_indptr.numel() - 1):
-        q_start, q_end = int(q_indptr[r]), int(q_indptr[r + 1])
-        slots = kv_indices[int(kv_indptr[r]) : int(kv_indptr[r + 1])]
-        kv_len, q_len = slots.numel(), q_end - q_start
-        for i in range(q_len):
-            visible = slots[: kv_len - q_len + i + 1]
-            for head in range(num_q_heads):
-                keys = k_cache[visible, head // group].double()
-                values = v_cache[visible, head // group].double()
-                weights = torch.softmax(keys @ q[q_start + i, head].double() * scale, dim=0)
-                out[q_start + i, head] = weights @ values
-    return out

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from magicdec_kernels.shapes import check_gqa, check_window
+
 
 def snapkv_window_scores_torch(
     q_window: torch.Tensor, k_cache: torch.Tensor, key_slots: torch.Tensor, scale: float
@@ -34,7 +36,8 @@ def snapkv_window_scores_torch(
     window, num_q_heads, _ = q_window.shape
     num_kv_heads = k_cache.shape[1]
     seq_len = key_slots.numel()
-    _check_shapes(window, num_q_heads, num_kv_heads, seq_len)
+    check_gqa(num_q_heads, num_kv_heads)
+    check_window(window, seq_len)
     group = num_q_heads // num_kv_heads
     prefix_len = seq_len - window
     device = q_window.device
@@ -66,10 +69,3 @@ def snapkv_window_scores(
 
         return snapkv_window_scores_triton(q_window, k_cache, key_slots, scale)
     return snapkv_window_scores_torch(q_window, k_cache, key_slots, scale)
-
-
-def _check_shapes(window: int, num_q_heads: int, num_kv_heads: int, seq_len: int) -> None:
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-    if window > seq_len:
-        raise ValueError(f"window of {window} queries is longer than the {seq_len} prompt keys")

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from magicdec_kernels.snapkv_scores import _check_shapes
+from magicdec_kernels.shapes import check_gqa, check_window
 
 BLOCK_KEYS = 64
 # tl.dot needs every tile dimension to be at least 16.
@@ -212,7 +212,8 @@ def window_scores_with_splits(
     window, num_q_heads, head_dim = q_window.shape
     num_kv_heads = k_cache.shape[1]
     seq_len = key_slots.numel()
-    _check_shapes(window, num_q_heads, num_kv_heads, seq_len)
+    check_gqa(num_q_heads, num_kv_heads)
+    check_window(window, seq_len)
     prefix_len = seq_len - window
     device = q_window.device
     result = torch.empty(num_q_heads, prefix_len, dtype=torch.float32, device=device)

@@ -1,7 +1,13 @@
-"""Per-KV-head sparse decode attention in Triton.
+"""Per-KV-head sparse decode attention in Triton: the MagicDec draft step's attention on GPU.
 
-Same operation and signature as `sparse_decode.sparse_decode_torch` (see that module for the
-layout). One program per (request, KV head) walks that head's slot list in blocks with an online
+The operation of `cpu_native.slot_attention` for one query row per request, whose torch reference
+`slot_attention_torch` (with q_indptr = arange(B + 1)) the tests compare it with. Layout:
+    q            [B, Hq, D]             one query token per request
+    k_cache      [pool_slots, Hkv, D]   SGLang's KV pool of one layer (v_cache alike, Dv)
+    head_slots   [B, Hkv, W] int64      KV head h of request b reads slots head_slots[b, h, :n_b]
+    kv_lens      [B] int                n_b: the slots of request b (the rest is padding)
+    result       [B, Hq, Dv]            in q's dtype; a request with no slots gets zeros
+One program per (request, KV head) walks that head's slot list in blocks with an online
 softmax; the `group` q heads sharing the KV head are rows of one tile, so each K and V block is
 read from the pool once for all of them. Scores and the weighted sum use broadcasted multiply and
 sum in float32 (a decode step is bound by reading K and V, not by these flops).
@@ -13,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from magicdec_kernels.sparse_decode import _check_heads
+from magicdec_kernels.shapes import check_gqa
 
 # The broadcasted products are [BLOCK_G, BLOCK_N, BLOCK_D] tiles held in registers; keep them at
 # about this many elements (64 float32 registers a thread at 4 warps) by shrinking BLOCK_N.
@@ -142,7 +148,7 @@ def sparse_decode_triton(
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, v_dim = k_cache.shape[1], v_cache.shape[2]
-    _check_heads(num_q_heads, num_kv_heads)
+    check_gqa(num_q_heads, num_kv_heads)
     group = num_q_heads // num_kv_heads
     if out is None:
         out = q.new_empty(batch, num_q_heads, v_dim)

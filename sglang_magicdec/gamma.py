@@ -15,8 +15,8 @@ from dataclasses import dataclass, replace
 import torch
 from sglang.srt.managers.schedule_batch import ScheduleBatch
 
+from sglang_magicdec import radix_events
 from sglang_magicdec.cost_model import CostModel, Decision, StepCosts, bucket_key
-from sglang_magicdec.plugin import RadixCacheListener, subscribe_to_radix_cache
 from sglang_magicdec.spec_info import host_seq_lens
 
 logger = logging.getLogger(__name__)
@@ -32,14 +32,14 @@ class RoundClock:
     drafted: float | None = None
 
 
-class GammaController(RadixCacheListener):
+class GammaController(radix_events.RadixCacheListener):
     def __init__(self, gamma_max: int, auto: bool, tp_group, on_cuda: bool):
         self.gamma_max = gamma_max
         self.cost_model = CostModel(gamma_max=gamma_max) if auto else None
         self.tp_group = tp_group
         self.on_cuda = on_cuda
         if auto:
-            subscribe_to_radix_cache(self)  # to forget a released request's acceptance
+            radix_events.subscribe(self)  # to forget a released request's acceptance
 
     def choose(self, batch: ScheduleBatch) -> int:
         """γ for this batch's round (0: a plain decode step)."""

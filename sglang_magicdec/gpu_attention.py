@@ -4,7 +4,7 @@ While MAGICDEC runs, the attention registry's entries for those backends build t
 SGLang would and wrap it in `MagicDecAttnBackend` (a backend that owns another, as SGLang's
 `HybridAttnBackend` does). Extend, verify and plain decode, with all their CUDA-graph state, stay
 with the wrapped ("dense") backend. Only a draft step (DECODE whose spec input carries per-head
-slot lists, `MagicDecInput.head_slots`) takes the sparse path: each (request, KV head) reads its
+slot lists, `spec_info.draft_slots`) takes the sparse path: each (request, KV head) reads its
 own slots of SGLang's KV pool in place, through FlashInfer's batch decode when the dense backend
 is flashinfer and the draft reads one list in every layer (streaming; `magicdec_kernels.
 flat_decode`), our Triton kernel otherwise (`magicdec_kernels.sparse_decode_triton`).
@@ -16,7 +16,6 @@ in DECODE, and none reads a list per KV head.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,7 +25,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang_magicdec.config import ALGORITHM
 from sglang_magicdec.model import unsupported_attention
 from sglang_magicdec.platforms import CPU_ATTENTION_BACKENDS
-from sglang_magicdec.spec_info import MagicDecInput
+from sglang_magicdec.spec_info import HeadSlots, MagicDecInput, draft_slots
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -51,15 +50,6 @@ def check_attention_backends(backends: tuple[str | None, ...], cpu_platform: boo
             )
 
 
-@dataclass
-class DraftStep:
-    """One draft step's slots: request b's KV head h in layer l reads
-    head_slots[l, b, h, :kv_lens[b]] (dims of size 1 broadcast)."""
-
-    head_slots: torch.Tensor
-    kv_lens: torch.Tensor
-
-
 def _delegated(name: str) -> property:
     def get(self):
         return getattr(self.dense, name)
@@ -78,7 +68,7 @@ class MagicDecAttnBackend(AttentionBackend):
     def __init__(self, model_runner: ModelRunner, dense: AttentionBackend, dense_name: str):
         self.__dict__["dense"] = dense
         self.dense_name = dense_name
-        self.draft: DraftStep | None = None
+        self.draft: HeadSlots | None = None
         self.attn_backend_list = [dense]
         self._pool = model_runner.token_to_kv_pool
         self._flashinfer = None
@@ -96,16 +86,11 @@ class MagicDecAttnBackend(AttentionBackend):
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         spec_info = forward_batch.spec_info
-        if (
-            forward_batch.forward_mode.is_decode()
-            and isinstance(spec_info, MagicDecInput)
-            and spec_info.head_slots is not None
-        ):
-            self.draft = DraftStep(spec_info.head_slots, spec_info.kv_lens)
+        self.draft = draft_slots(forward_batch)
+        if self.draft is not None:
             if self._flashinfer is not None:
                 self._flashinfer.new_step()
             return
-        self.draft = None
         if (
             self.dense_name == "fa3"
             and forward_batch.forward_mode.is_target_verify()
@@ -157,12 +142,10 @@ class MagicDecAttnBackend(AttentionBackend):
         draft = self.draft
         q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         out = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
-        per_layer = draft.head_slots.shape[0] > 1
-        head_slots = draft.head_slots[layer.layer_id if per_layer else 0]
-        head_slots = head_slots.expand(-1, layer.tp_k_head_num, -1)
+        head_slots = draft.for_layer(layer.layer_id).expand(-1, layer.tp_k_head_num, -1)
         k_cache = self._pool.get_key_buffer(layer.layer_id)
         v_cache = self._pool.get_value_buffer(layer.layer_id)
-        if self._flashinfer is not None and not per_layer:
+        if self._flashinfer is not None and not draft.per_layer:
             # One list for every layer: FlashInfer plans it once per draft step (its plan reads
             # the row lengths on the host: one synchronisation per step). Per-layer SnapKV lists
             # would need a plan, and a synchronisation, per layer: those take the Triton kernel.

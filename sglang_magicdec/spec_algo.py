@@ -124,7 +124,7 @@ def validate_server_args(server_args) -> None:
 
 
 def _check_prefix_cache(server_args) -> None:
-    """MAGICDEC follows SGLang's `UnifiedRadixCache` (the hooks in `plugin.RADIX_CACHE_HOOKS`:
+    """MAGICDEC follows SGLang's `UnifiedRadixCache` (the hooks in `radix_events.RADIX_CACHE_HOOKS`:
     releases, evictions, flushes) to drop per-request state and SnapKV summaries that point at
     freed KV. These flags make SGLang build another prefix cache, whose own `on_release`/`reset`
     (LMCache) or whole class (FlexKV, a registered backend) those hooks would not see."""

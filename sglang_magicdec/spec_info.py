@@ -1,5 +1,6 @@
 """What a MagicDec forward hands SGLang besides the batch (SGLang's `spec_info`), and one round's
-draft slots. The worker (`worker.py`) builds them; attention backends read them."""
+draft slots. The worker (`worker.py`) builds them; attention backends read them, telling a draft
+step by `draft_slots(forward_batch)` and reading a layer's lists with `HeadSlots.for_layer`."""
 
 from __future__ import annotations
 
@@ -9,12 +10,41 @@ import torch
 from sglang.srt.speculative.spec_info import SpecInput, SpecInputType
 
 
+@dataclass
+class HeadSlots:
+    """Padded lists of KV-pool slots per layer, request and KV head: request b's KV head h in
+    layer l reads head_slots[l, b, h, :kv_lens[b]] (a dim of size 1 is shared by every layer, or
+    every head). A draft step's slots; our CPU backend reads plain decode and verify this way too.
+
+    head_slots  [layers or 1, B, Hkv or 1, W] int64
+    kv_lens     [B] int64
+    """
+
+    head_slots: torch.Tensor
+    kv_lens: torch.Tensor
+
+    def for_layer(self, layer_id: int) -> torch.Tensor:
+        """[B, Hkv or 1, W]: the lists of layer `layer_id`."""
+        return self.head_slots[layer_id if self.head_slots.shape[0] > 1 else 0]
+
+    @property
+    def per_layer(self) -> bool:
+        return self.head_slots.shape[0] > 1
+
+
+def draft_slots(forward_batch) -> HeadSlots | None:
+    """A MagicDec draft step's slots, or None: the one test of "this forward is a draft step"
+    (a DECODE whose spec input carries draft slots)."""
+    spec_info = forward_batch.spec_info
+    if forward_batch.forward_mode.is_decode() and isinstance(spec_info, MagicDecInput):
+        return spec_info.draft
+    return None
+
+
 class MagicDecInput(SpecInput):
     """What a MagicDec forward hands SGLang: token positions and, for draft steps, each
-    request's draft slots for this round, `head_slots` [layers or 1, B, Hkv or 1, W] (padded;
-    dims of size 1 broadcast) of which request b reads the first `kv_lens[b]` (our backends
-    read them; SGLang's own never see a draft step). Nothing is carried between rounds, so
-    filtering and merging batches is a no-op.
+    request's draft slots for this round (`draft`: our backends read them; SGLang's own never see
+    a draft step). Nothing is carried between rounds, so filtering and merging batches is a no-op.
 
     The verify contract: what SGLang 0.5.23's dense backends read of a TARGET_VERIFY forward
     (`init_forward_metadata`, eager; MAGICDEC runs no graphs), and what serves each read.
@@ -30,6 +60,10 @@ class MagicDecInput(SpecInput):
       the batch's `seq_lens`, `seq_lens_cpu` (the eager page-table bound), `req_pool_indices`.
     Positions come from `positions` ([B·width], S..S+γ per request) on every backend."""
 
+    # SGLang pads a draft input's hidden states where it pads a batch (`_pad_inputs_to_size`:
+    # DP attention, MLP sync); a MagicDec draft has none.
+    hidden_states = None
+
     def __init__(
         self,
         draft_token_num: int,
@@ -43,8 +77,7 @@ class MagicDecInput(SpecInput):
         self.num_tokens_per_req = draft_token_num
         self.num_tokens_for_logprob_per_req = draft_token_num
         self.positions = positions
-        self.head_slots = head_slots
-        self.kv_lens = kv_lens
+        self.draft = HeadSlots(head_slots, kv_lens) if is_draft else None
 
     def generate_attn_arg_prefill(
         self,

@@ -36,7 +36,7 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang_magicdec.acceptance import AcceptanceStats, SeededRows, acceptor_for
 from sglang_magicdec.config import MagicDecConfig
 from sglang_magicdec.debug_checks import check_ranks_agree, check_selection
-from sglang_magicdec.drafts import make_selection
+from sglang_magicdec.drafts.selection import make_selection
 from sglang_magicdec.gamma import GammaController, RoundClock
 from sglang_magicdec.metrics import MagicDecMetrics
 from sglang_magicdec.spec_info import (

@@ -13,6 +13,8 @@ from test.helpers import GAMMA, POOL_ARGS, SNAPKV, pg19_acceptance_prompts, run_
 
 # No model hub at run time: a test that reaches for the network must fail, not hang.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# What SGLang no longer has raises instead of falling back with a warning (servers inherit it).
+os.environ.setdefault("SGLANG_MAGICDEC_STRICT", "1")
 
 
 def _server_factory(tmp_path_factory) -> Iterator:

@@ -1,8 +1,12 @@
 """Run by `test_decode_forward.py` in a fresh process (SGLang's model runner sets process-wide
 state): the tiny model in SGLang's ModelRunner on our CPU platform, a ragged batch prefilled,
-then decode steps, each forward run twice on the same batch: through our decode forward and
-through SGLang's own layers. Prints one JSON line: per step, whether the logits are identical,
-and how many forwards our decode forward ran.
+then decode steps, and after every second one a MagicDec round built as `worker.py` builds it:
+γ draft DECODE steps over per-layer, per-KV-head slot lists (a strict subset of each request's
+committed slots, then the round's own), and the TARGET_VERIFY of the γ + 1 tokens. Each forward
+runs twice on the same batch: through our decode forward and through SGLang's own layers.
+Prints one JSON line: per kind of forward, for each one whether the logits are identical and how
+many times our decode forward ran in SGLang's path and in ours; and whether SGLang's ForwardBatch
+took the positions MagicDec handed it.
 
     python -m test.decode_forward_check MODEL_DIR DTYPE
 """
@@ -14,6 +18,10 @@ import sys
 import warnings
 from array import array
 
+DECODE_STEPS = 4
+GAMMA = 3
+RECENT = 2  # each draft reads the last RECENT committed positions and half of the rest
+
 
 def main(model_path: str, dtype: str) -> None:
     warnings.filterwarnings("ignore")
@@ -23,10 +31,11 @@ def main(model_path: str, dtype: str) -> None:
     import torch
     from sglang.benchmark import one_batch
     from sglang.srt.managers.schedule_batch import Req
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
     from sglang.srt.sampling.sampling_params import SamplingParams
 
     from sglang_magicdec.platforms import decode_forward
+    from sglang_magicdec.spec_info import DraftPositions, DraftRound, MagicDecInput
 
     lean_runs = []
     run = decode_forward.run
@@ -63,21 +72,115 @@ def main(model_path: str, dtype: str) -> None:
         next_ids, _, batch = one_batch.extend(reqs, runner)
         model = runner.model.model
         plan = decode_forward.plan_of(model)
-        identical = []
-        for _ in range(4):
-            batch.input_ids = next_ids.to(torch.int64)
-            batch.prepare_for_decode()
-            logits = {}
+        forwards = {"decode": [], "draft": [], "verify": []}
+        positions_taken = []
+
+        def both_paths(kind: str, positions=None) -> torch.Tensor:
+            """The batch's forward through SGLang's layers and through ours; our logits."""
+            logits, runs = {}, {}
             for path in ("sglang", "ours"):
                 decode_forward._PLANS[model] = None if path == "sglang" else plan
                 forward_batch = ForwardBatch.init_new(
                     batch, runner, return_hidden_states_before_norm=False
                 )
+                if positions is not None:
+                    positions_taken.append(torch.equal(forward_batch.positions, positions))
+                before = len(lean_runs)
                 output = runner.forward(forward_batch).logits_output
+                runs[path] = len(lean_runs) - before
                 logits[path] = output.next_token_logits.clone()
-            identical.append(torch.equal(logits["sglang"], logits["ours"]))
-            next_ids = logits["ours"].argmax(dim=-1)
-        result = {"planned": plan is not None, "identical": identical, "ours": len(lean_runs)}
+                assert logits[path].shape[0] == batch.input_ids.shape[0]  # a row per token
+            identical = torch.equal(logits["sglang"], logits["ours"])
+            forwards[kind].append([identical, runs["sglang"], runs["ours"]])
+            return logits["ours"]
+
+        def set_lens(committed: torch.Tensor, offset: int) -> None:
+            """As `MagicDecWorker._set_lens`: the committed lengths plus `offset`."""
+            batch.seq_lens = (committed + offset).to(torch.int32)
+            batch.seq_lens_cpu = (committed.cpu() + offset).to(torch.int32)
+            batch.seq_lens_sum = int(committed.sum()) + offset * len(batch.reqs)
+            batch.orig_seq_lens = batch.seq_lens
+
+        def draft_positions(length: int, layers: int, heads: int) -> DraftPositions:
+            """A per-layer, per-KV-head selection: half of the older positions (each head its
+            own), then the last RECENT; fewer than the `length` committed."""
+            older = length - RECENT
+            kept = older // 2
+            summary = torch.stack(
+                [
+                    torch.randperm(older, generator=generator)[:kept].sort().values
+                    for _ in range(layers * heads)
+                ]
+            ).view(layers, heads, kept)
+            selection = DraftPositions(summary, [range(older, length)])
+            assert 0 < selection.count < length
+            return selection
+
+        def speculative_round(x0: torch.Tensor) -> None:
+            """`MagicDecWorker._speculate`'s forwards, greedy, on fresh slots freed after."""
+            saved = {
+                name: getattr(batch, name)
+                for name in (
+                    "forward_mode", "input_ids", "out_cache_loc", "spec_info", "seq_lens",
+                    "seq_lens_cpu", "seq_lens_sum", "orig_seq_lens",
+                )
+            }  # fmt: skip
+            req_to_token = runner.req_to_token_pool.req_to_token
+            allocator = runner.token_to_kv_pool_allocator
+            pool = runner.token_to_kv_pool
+            committed = batch.seq_lens.to(torch.int64)
+            width = GAMMA + 1
+            offsets = torch.arange(width, dtype=torch.int64)
+            # Slots for positions S..S+γ of each request, in its req_to_token row as the
+            # scheduler reserves them for a round.
+            slots = allocator.alloc(len(batch.reqs) * width)
+            round_slots = slots.view(len(batch.reqs), width).to(torch.int64)
+            rows = batch.req_pool_indices.to(torch.int64)[:, None]
+            columns = committed[:, None] + offsets
+            old_row_entries = req_to_token[rows, columns].clone()
+            req_to_token[rows, columns] = round_slots.to(req_to_token.dtype)
+            try:
+                positions = [
+                    draft_positions(length, pool.layer_num, pool.head_num)
+                    for length in batch.seq_lens_cpu.tolist()
+                ]
+                draft_round = DraftRound.build(
+                    positions, req_to_token, batch.req_pool_indices, round_slots
+                )
+                tokens = x0.to(torch.int64)[:, None]
+                for step in range(GAMMA):  # as `MagicDecWorker._draft_step`
+                    batch.forward_mode = ForwardMode.DECODE
+                    batch.input_ids = tokens[:, step].contiguous()
+                    batch.out_cache_loc = round_slots[:, step].contiguous()
+                    set_lens(committed, step + 1)
+                    batch.spec_info = draft_round.step_input(step, committed + step)
+                    logits = both_paths("draft", committed + step)
+                    tokens = torch.cat([tokens, logits.argmax(dim=-1)[:, None]], dim=1)
+                # as `MagicDecWorker._verify`
+                batch.forward_mode = ForwardMode.TARGET_VERIFY
+                batch.input_ids = tokens.reshape(-1).contiguous()
+                batch.out_cache_loc = round_slots[:, :width].reshape(-1).contiguous()
+                set_lens(committed, 0)
+                verify_positions = (committed[:, None] + offsets).reshape(-1)
+                batch.spec_info = MagicDecInput(draft_token_num=width, positions=verify_positions)
+                both_paths("verify", verify_positions)
+            finally:
+                req_to_token[rows, columns] = old_row_entries
+                allocator.free(slots)
+                for name, value in saved.items():
+                    setattr(batch, name, value)
+
+        for step in range(DECODE_STEPS):
+            batch.input_ids = next_ids.to(torch.int64)
+            batch.prepare_for_decode()
+            next_ids = both_paths("decode").argmax(dim=-1)
+            if step % 2 == 1:
+                speculative_round(next_ids)
+        result = {
+            "planned": plan is not None,
+            "forwards": forwards,
+            "positions_taken": positions_taken,
+        }
         print("RESULT " + json.dumps(result), flush=True)
 
     one_batch.latency_test = check

@@ -11,14 +11,13 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from magicdec_kernels import cpu_native
+from magicdec_kernels import loader
 from magicdec_kernels.cpu_native import (
-    native,
     slot_attention,
-    slot_attention_native,
     slot_attention_torch,
     supports_native,
 )
+from magicdec_kernels.loader import native
 
 pytestmark = pytest.mark.skipif(
     native() is None,
@@ -245,7 +244,7 @@ def test_writes_out_in_place_and_only_request_rows():
     storage = torch.full((num_q + 1, num_q_heads, 80), 5.0)
     out = storage[:, :, :64]
     q = torch.cat([case.q, case.q[:1]])
-    result = slot_attention_native(q, *case.args()[1:], out=out)
+    result = slot_attention(q, *case.args()[1:], out=out)
     assert result is out
     _check(out[:num_q], expected, torch.float32)
     assert torch.all(out[num_q] == 5.0) and torch.all(storage[..., 64:] == 5.0)
@@ -264,14 +263,15 @@ def test_slot_outside_pool_raises():
     case = _make_case([1], [40], group=1, num_kv_heads=1, head_dim=64, seed=1)
     case.head_slots[0, 0, 17] = case.k_cache.shape[0]
     with pytest.raises(RuntimeError, match="outside the KV pool"):
-        slot_attention_native(*case.args())
+        slot_attention(*case.args())
 
 
 def test_unsupported_head_dim_uses_torch():
     case = _make_case([1, 2], [30, 20], group=2, num_kv_heads=1, head_dim=40, seed=2)
     assert not supports_native(case.q, case.k_cache, case.v_cache)
+    out = case.q.new_empty(case.q.shape)
     with pytest.raises(RuntimeError, match="multiples of 16"):
-        slot_attention_native(*case.args())
+        native().slot_attention(*case.args(), out)
     _check(slot_attention(*case.args()), _oracle(case), torch.float32)
 
 
@@ -288,9 +288,9 @@ def test_build_failure_is_one_warning(monkeypatch, caplog):
             "Error building extension:\nx.cpp:1:1: error: no compiler\nninja: stopped"
         )
 
-    monkeypatch.setattr(cpu_native, "build", failing_build)
-    with caplog.at_level(logging.WARNING, logger=cpu_native.__name__):
-        assert cpu_native.native.__wrapped__() is None
+    monkeypatch.setattr(loader, "build", failing_build)
+    with caplog.at_level(logging.WARNING, logger=loader.__name__):
+        assert loader.native.__wrapped__() is None
     assert [record.getMessage() for record in caplog.records] == [
         "native CPU kernels unavailable (build failed: x.cpp:1:1: error: no compiler)"
     ]

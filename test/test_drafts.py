@@ -2,7 +2,7 @@
 
 import pytest
 
-from sglang_magicdec.drafts import StreamingDraft
+from sglang_magicdec.drafts.streaming import StreamingDraft
 
 
 def positions(ranges: list[range]) -> list[int]:

@@ -22,7 +22,7 @@ from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.plugins import load_plugins
 from sglang.srt.plugins.hook_registry import HookRegistry
 
-from sglang_magicdec import config, plugin
+from sglang_magicdec import config, plugin, radix_events
 
 OURS = "sglang_magicdec"
 
@@ -39,11 +39,11 @@ def our_hook_targets() -> list[str]:
 def test_hooks_cover_the_internals_the_design_names():
     targets = our_hook_targets()
     for expected in (
-        f"{plugin.RADIX_CACHE}.on_release",
-        f"{plugin.RADIX_CACHE}.checkpoint",
-        f"{plugin.RADIX_CACHE}._apply_cache_action",
-        f"{plugin.RADIX_CACHE}.reset",
-        plugin.PREFIX_MATCH_LIMIT,
+        f"{radix_events.RADIX_CACHE}.on_release",
+        f"{radix_events.RADIX_CACHE}.checkpoint",
+        f"{radix_events.RADIX_CACHE}._apply_cache_action",
+        f"{radix_events.RADIX_CACHE}.reset",
+        radix_events.PREFIX_MATCH_LIMIT,
         plugin.INTERNAL_STATE_SPECULATIVE,
         f"{config.SERVER_ARGS}.add_cli_args",
         f"{config.SERVER_ARGS}.from_cli_args",
@@ -58,7 +58,7 @@ def test_hooked_sglang_internal_exists(target):
     assert callable(getattr(owner, name, None)), f"SGLang 0.5.23 has no {target}"
 
 
-class Recorder(plugin.RadixCacheListener):
+class Recorder(radix_events.RadixCacheListener):
     def __init__(self):
         self.freed: list[list[int]] = []
 
@@ -69,9 +69,9 @@ class Recorder(plugin.RadixCacheListener):
 @pytest.fixture
 def recorder():
     listener = Recorder()
-    plugin.subscribe_to_radix_cache(listener)
+    radix_events.subscribe(listener)
     yield listener
-    plugin.unsubscribe_from_radix_cache(listener)
+    radix_events.unsubscribe(listener)
 
 
 def test_listeners_hear_the_full_kv_slots_each_cache_action_frees(recorder):
@@ -79,14 +79,15 @@ def test_listeners_hear_the_full_kv_slots_each_cache_action_frees(recorder):
     full-attention slots of SGLang's own free actions, and nothing of other actions, other
     components' slots or empty frees."""
     free_kv = FreeDeviceKV(indices=[torch.tensor([4, 5]), torch.tensor([9])])
-    plugin._kv_freed(None, None, free_kv)
-    plugin._kv_freed(None, None, FreeDeviceKVFullOnly(indices=[torch.tensor([7])]))
+    radix_events._kv_freed(None, None, free_kv)
+    radix_events._kv_freed(None, None, FreeDeviceKVFullOnly(indices=[torch.tensor([7])]))
     full = ComponentType.FULL
-    plugin._kv_freed(None, None, FreeComponentDeviceSlot([torch.tensor([1, 2])], full))
+    radix_events._kv_freed(None, None, FreeComponentDeviceSlot([torch.tensor([1, 2])], full))
     assert recorder.freed == [[4, 5, 9], [7], [1, 2]]
-    plugin._kv_freed(None, None, FreeComponentDeviceSlot([torch.tensor([3])], ComponentType.SWA))
-    plugin._kv_freed(None, None, FreeDeviceKV(indices=[torch.tensor([], dtype=torch.int64)]))
-    plugin._kv_freed(None, None, BackupKV(node_ids=[1]))
+    swa_free = FreeComponentDeviceSlot([torch.tensor([3])], ComponentType.SWA)
+    radix_events._kv_freed(None, None, swa_free)
+    radix_events._kv_freed(None, None, FreeDeviceKV(indices=[torch.tensor([], dtype=torch.int64)]))
+    radix_events._kv_freed(None, None, BackupKV(node_ids=[1]))
     assert recorder.freed == [[4, 5, 9], [7], [1, 2]]
 
 
@@ -94,15 +95,15 @@ def test_listeners_are_held_weakly_and_can_unsubscribe():
     """SGLang gives a speculative worker no shutdown call: a collected subscriber stops
     listening, and one that unsubscribes hears nothing more."""
     kept, dropped = Recorder(), Recorder()
-    plugin.subscribe_to_radix_cache(kept)
-    plugin.subscribe_to_radix_cache(kept)  # once only
-    plugin.subscribe_to_radix_cache(dropped)
+    radix_events.subscribe(kept)
+    radix_events.subscribe(kept)  # once only
+    radix_events.subscribe(dropped)
     del dropped
     gc.collect()
-    assert plugin._listeners() == [kept]
+    assert radix_events._listeners() == [kept]
     free_kv = FreeDeviceKV(indices=[torch.tensor([4])])
-    plugin._kv_freed(None, None, free_kv)
+    radix_events._kv_freed(None, None, free_kv)
     assert kept.freed == [[4]]
-    plugin.unsubscribe_from_radix_cache(kept)
-    plugin._kv_freed(None, None, free_kv)
-    assert kept.freed == [[4]] and plugin._listeners() == []
+    radix_events.unsubscribe(kept)
+    radix_events._kv_freed(None, None, free_kv)
+    assert kept.freed == [[4]] and radix_events._listeners() == []

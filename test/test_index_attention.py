@@ -1,4 +1,5 @@
-"""The slot-list attention (CPU path of `magicdec_cpu`) against plain softmax attention."""
+"""The extend path of our CPU backends (`index_attention_torch`, planned) against plain softmax
+attention."""
 
 import pytest
 import torch
@@ -10,8 +11,8 @@ from magicdec_kernels.index_attention import (
     MIN_VIEW_RUN,
     index_attention_torch,
     plan_requests,
-    reference_attention,
 )
+from test.references import reference_attention
 
 
 def _ragged_case(

@@ -1,5 +1,6 @@
-"""SnapKV window scores and per-KV-head sparse decode: torch against a float64 loop oracle, Triton
-against torch.
+"""SnapKV window scores and per-KV-head sparse decode (the draft step's attention): torch against a
+float64 loop oracle, Triton against torch. The sparse decode's torch reference is
+`slot_attention_torch` with one query row per request.
 
 The Triton kernels run on CUDA when there is a GPU; otherwise under Triton's CPU interpreter
 (TRITON_INTERPRET=1), which only takes effect for kernels decorated while it is set, so the
@@ -21,8 +22,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from magicdec_kernels.cpu_native import slot_attention_torch
 from magicdec_kernels.snapkv_scores import snapkv_window_scores_torch
-from magicdec_kernels.sparse_decode import sparse_decode_torch
 
 TRITON_MODULES = ("magicdec_kernels.snapkv_scores_triton", "magicdec_kernels.sparse_decode_triton")
 HEAD_DIM = 64
@@ -81,6 +82,12 @@ def _sparse_case(lengths, num_kv_heads, group, seed, v_dim=HEAD_DIM, head_major=
         dim=1,
     )
     return q, k_cache, v_cache, head_slots, torch.tensor(lengths)
+
+
+def sparse_decode_torch(q, k_cache, v_cache, head_slots, kv_lens, scale, out=None):
+    """`slot_attention_torch` at one query row per request: `sparse_decode_triton`'s signature."""
+    q_indptr = torch.arange(q.shape[0] + 1)
+    return slot_attention_torch(q, k_cache, v_cache, q_indptr, head_slots, kv_lens, scale, out)
 
 
 def naive_snapkv_scores(q_window, k_cache, key_slots, scale) -> torch.Tensor:
@@ -182,11 +189,11 @@ DISPATCH_CHECK = """
 import sys
 import torch
 from magicdec_kernels.snapkv_scores import snapkv_window_scores
-from magicdec_kernels.sparse_decode import sparse_decode_attention
+from magicdec_kernels.cpu_native import slot_attention
 q = torch.randn(2, 4, 64)
 k_cache = torch.randn(30, 2, 64)
 snapkv_window_scores(q, k_cache, torch.arange(20), 0.1)
-sparse_decode_attention(torch.randn(2, 4, 64), k_cache, k_cache, torch.zeros(2, 2, 5,
+slot_attention(torch.randn(2, 4, 64), k_cache, k_cache, torch.arange(3), torch.zeros(2, 2, 5,
     dtype=torch.int64), torch.tensor([5, 3]), 0.1)
 print(sorted(name for name in sys.modules if name.startswith("triton") or name.endswith("_triton")))
 """

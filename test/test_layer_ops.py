@@ -9,15 +9,12 @@ import pytest
 import torch
 
 from magicdec_kernels import cpu_native
-from magicdec_kernels.cpu_native import (
-    native,
-    rms_norm,
+from magicdec_kernels.cpu_native import rms_norm, rotary_embedding, silu_and_mul, store_kv
+from magicdec_kernels.loader import native
+from test.references import (
     rms_norm_torch,
-    rotary_embedding,
     rotary_embedding_torch,
-    silu_and_mul,
     silu_and_mul_torch,
-    store_kv,
     store_kv_torch,
 )
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_magicdec.drafts import SnapKVDraft
+from sglang_magicdec.drafts.snapkv import SnapKVDraft
 from sglang_magicdec.summaries import Summary, SummaryStore
 
 
@@ -198,7 +198,8 @@ def test_store_bounds_idle_summaries():
 
 def small_selection():
     """A SnapKV selection of 8 positions (2 sinks in its fallback), sharing from 4 tokens."""
-    from sglang_magicdec.drafts import SnapKVSelection, StreamingDraft, StreamingSelection
+    from sglang_magicdec.drafts.snapkv import SnapKVSelection
+    from sglang_magicdec.drafts.streaming import StreamingDraft, StreamingSelection
 
     return SnapKVSelection(
         SnapKVDraft(budget=8, obs_window=2),

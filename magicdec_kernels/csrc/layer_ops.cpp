@@ -1,7 +1,7 @@
 // A decoder layer's small per-token operations on CPU, one native call each: RMSNorm (with the
-// residual add), rotary embedding, SiLU-and-mul and the KV-pool write. (Python side, torch
-// references and the exact semantics: magicdec_kernels/cpu_native.py; how SGLang reaches them:
-// sglang_magicdec/platforms/torch_ops.py.)
+// residual add), rotary embedding, SiLU-and-mul and the KV-pool write. (Python side and the
+// exact semantics: magicdec_kernels/cpu_ops.py; torch references: test/references.py; how
+// SGLang reaches them: sglang_magicdec/platforms/torch_ops.py.)
 //
 // SGLang's torch versions of these are 5 to 20 small torch ops each. At decode sizes (a few
 // rows) every op costs its dispatch, not its arithmetic: 80-270 us per call on two cores, about
@@ -14,14 +14,10 @@
 // rotary embedding, SiLU's product and the KV write are bit-identical to torch; RMSNorm's mean
 // of squares and SiLU's exp differ from torch's in the last bits (summation order, exp).
 //
-// As in the other kernels, the body (the end of this file) is compiled once per instruction set
-// (AVX-512, AVX2, baseline) by including the file into namespaces under `#pragma GCC target`,
-// and left to the compiler to vectorise; the entry points pick the widest set at run time.
-
-#ifndef LAYER_OPS_BODY
+// The body (layer_ops_body.h) is compiled once per instruction set by multiversion.h, like every
+// kernel here, and left to the compiler to vectorise.
 
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -33,7 +29,7 @@
 #include <utility>
 #include <vector>
 
-#include "cpu_common.h"
+#include "isa.h"
 
 namespace {
 
@@ -46,7 +42,8 @@ constexpr int64_t kMinParallelElements = int64_t(1) << 16;
 // The rows [begin, end) of a call, on all threads when the call is large.
 template <typename F>
 void for_rows(int64_t rows, int64_t row_elements, F&& f) {
-  const int64_t grain = std::max<int64_t>(1, kMinParallelElements / std::max<int64_t>(1, row_elements));
+  const int64_t grain =
+      std::max<int64_t>(1, kMinParallelElements / std::max<int64_t>(1, row_elements));
   if (rows <= grain) {
     f(int64_t(0), rows);
   } else {
@@ -56,57 +53,15 @@ void for_rows(int64_t rows, int64_t row_elements, F&& f) {
 
 }  // namespace
 
-#define LAYER_OPS_BODY
-
-#ifdef MAGICDEC_X86
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
-#pragma GCC optimize("fp-contract=off")
-namespace layer_avx512 {
-#include __FILE__
-}  // namespace layer_avx512
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-#pragma GCC optimize("fp-contract=off")
-namespace layer_avx2 {
-#include __FILE__
-}  // namespace layer_avx2
-#pragma GCC pop_options
-#endif  // MAGICDEC_X86
-
-#pragma GCC push_options
-#pragma GCC optimize("fp-contract=off")
-namespace layer_scalar {
-#include __FILE__
-}  // namespace layer_scalar
-#pragma GCC pop_options
-
-#undef LAYER_OPS_BODY
+#define MAGICDEC_KERNEL_BODY "layer_ops_body.h"
+#define MAGICDEC_KERNEL_NO_FP_CONTRACT 1
+#include "multiversion.h"
 
 // ---------------------------------------------------------------------------------------------
 // Checks, dtype dispatch and the entry points (instruction-set independent; the Python binding
 // is in module.cpp).
 
 namespace {
-
-enum class Isa { kAvx512, kAvx2, kScalar };
-
-Isa pick_isa(const std::string& isa) {
-#ifdef MAGICDEC_X86
-  const bool avx512 = magicdec::cpu_has_avx512(), avx2 = magicdec::cpu_has_avx2();
-  const bool avx512_bf16 = magicdec::cpu_has_avx512_bf16();
-#else
-  const bool avx512 = false, avx2 = false, avx512_bf16 = false;
-#endif
-  if (isa == "auto") return avx512 ? Isa::kAvx512 : avx2 ? Isa::kAvx2 : Isa::kScalar;
-  // The other kernels' names; these ops have no bf16 arithmetic of their own to pick.
-  if ((isa == "avx512" && avx512) || (isa == "avx512bf16" && avx512_bf16)) return Isa::kAvx512;
-  if (isa == "avx2" && avx2) return Isa::kAvx2;
-  if (isa == "scalar") return Isa::kScalar;
-  TORCH_CHECK(false, "layer ops: instruction set '", isa, "' is not available here");
-}
 
 // Calls f with a null pointer of the C++ element type of `type` (float or bfloat16's bits).
 template <typename F>
@@ -158,7 +113,7 @@ void rms_norm(const torch::Tensor& x, const std::optional<torch::Tensor>& residu
   }
   TORCH_CHECK(!cast_before_weight || weight.scalar_type() == x.scalar_type(),
               "rms_norm: casting before the weight needs the weight in x's dtype");
-  const Isa chosen = pick_isa(isa);
+  const Isa chosen = resolve_isa(isa, "rms_norm");
   with_element_type(x.scalar_type(), "rms_norm: x", [&](auto* t_tag) {
     using T = std::remove_pointer_t<decltype(t_tag)>;
     with_element_type(weight.scalar_type(), "rms_norm: weight", [&](auto* w_tag) {
@@ -174,13 +129,7 @@ void rms_norm(const torch::Tensor& x, const std::optional<torch::Tensor>& residu
                  float(eps), cast_before_weight, mutable_data_of<T>(out), out.stride(0), res_out,
                  res_out_stride, begin, end, sums.data());
         };
-        switch (chosen) {
-#ifdef MAGICDEC_X86
-          case Isa::kAvx512: return run(layer_avx512::rms_norm_rows<T, WT>);
-          case Isa::kAvx2: return run(layer_avx2::rms_norm_rows<T, WT>);
-#endif
-          default: return run(layer_scalar::rms_norm_rows<T, WT>);
-        }
+        run(pick(chosen, MAGICDEC_PER_ISA(rms_norm_rows<T, WT>)));
       });
     });
   });
@@ -212,7 +161,7 @@ void rotary_embedding(const torch::Tensor& positions, torch::Tensor query, torch
     TORCH_CHECK(pos[t] >= 0 && pos[t] < cached, "rotary_embedding: position ", pos[t],
                 " is outside the cache's ", cached, " positions");
   }
-  const Isa chosen = pick_isa(isa);
+  const Isa chosen = resolve_isa(isa, "rotary_embedding");
   const int64_t q_heads = query.size(1) / head_size, k_heads = key.size(1) / head_size;
   with_element_type(query.scalar_type(), "rotary_embedding: query", [&](auto* t_tag) {
     using T = std::remove_pointer_t<decltype(t_tag)>;
@@ -224,13 +173,7 @@ void rotary_embedding(const torch::Tensor& positions, torch::Tensor query, torch
                  mutable_data_of<T>(key), key.stride(0), k_heads, data_of<CT>(cos_sin_cache),
                  cos_sin_cache.stride(0), head_size, rotary_dim, neox_style, begin, end);
         };
-        switch (chosen) {
-#ifdef MAGICDEC_X86
-          case Isa::kAvx512: return run(layer_avx512::rotary_rows<T, CT>);
-          case Isa::kAvx2: return run(layer_avx2::rotary_rows<T, CT>);
-#endif
-          default: return run(layer_scalar::rotary_rows<T, CT>);
-        }
+        run(pick(chosen, MAGICDEC_PER_ISA(rotary_rows<T, CT>)));
       });
     });
   });
@@ -243,7 +186,7 @@ void silu_and_mul(const torch::Tensor& x, torch::Tensor out, const std::string& 
   TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul: x must have an even number of columns");
   TORCH_CHECK(out.size(0) == rows && out.size(1) == half && out.scalar_type() == x.scalar_type(),
               "silu_and_mul: out must be [rows, columns / 2] in x's dtype");
-  const Isa chosen = pick_isa(isa);
+  const Isa chosen = resolve_isa(isa, "silu_and_mul");
   with_element_type(x.scalar_type(), "silu_and_mul: x", [&](auto* t_tag) {
     using T = std::remove_pointer_t<decltype(t_tag)>;
     for_rows(rows, x.size(1), [&](int64_t begin, int64_t end) {
@@ -251,13 +194,7 @@ void silu_and_mul(const torch::Tensor& x, torch::Tensor out, const std::string& 
         kernel(data_of<T>(x), x.stride(0), mutable_data_of<T>(out), out.stride(0), half, begin,
                end);
       };
-      switch (chosen) {
-#ifdef MAGICDEC_X86
-        case Isa::kAvx512: return run(layer_avx512::silu_and_mul_rows<T>);
-        case Isa::kAvx2: return run(layer_avx2::silu_and_mul_rows<T>);
-#endif
-        default: return run(layer_scalar::silu_and_mul_rows<T>);
-      }
+      run(pick(chosen, MAGICDEC_PER_ISA(silu_and_mul_rows<T>)));
     });
   });
 }
@@ -300,154 +237,3 @@ void store_kv(torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor&
 }
 
 }  // namespace magicdec
-
-#else  // LAYER_OPS_BODY
-// ---------------------------------------------------------------------------------------------
-// The body, once per instruction set. Plain loops over a row; the compiler vectorises them for
-// the target it is compiled under (products and sums rounded separately: fp-contract=off).
-namespace {
-
-using magicdec::bf16_bits;
-
-inline float widen(float value) { return value; }
-inline float widen(bf16_bits bits) {
-  const uint32_t wide = uint32_t(bits) << 16;
-  float value;
-  std::memcpy(&value, &wide, sizeof(value));
-  return value;
-}
-
-// float -> T, rounded to nearest even (as torch rounds to bfloat16); NaN stays NaN.
-inline float narrow(float value, float*) { return value; }
-inline bf16_bits narrow(float value, bf16_bits*) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
-  const uint32_t rounded = bits + 0x7fffu + ((bits >> 16) & 1u);
-  return bf16_bits((nan ? bits | 0x400000u : rounded) >> 16);
-}
-template <typename T>
-inline T narrow_to(float value) {
-  return narrow(value, static_cast<T*>(nullptr));
-}
-// What a torch op on T tensors leaves: the float result rounded to T, read back as float.
-template <typename T>
-inline float round_as(float value) {
-  return widen(narrow_to<T>(value));
-}
-
-// e^x for x in [-87.3, 88.3] (clamped outside), within ~2 ulp: Cody-Waite reduction to
-// r = x - n ln 2, |r| <= ln 2 / 2, then Cephes' polynomial for e^r. Branch-free, so it vectorises.
-inline float exp_approx(float x) {
-  x = std::min(std::max(x, -87.3f), 88.3f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  float r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.0f;
-  const int32_t bits = (int32_t(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
-// SGLang's RMSNorm.forward_native, rows [begin, end): h = x (+ residual) in float32; residual_out
-// = h as T; out = h / sqrt(mean(h^2) + eps) times the weight, rounded to T before the weight
-// when cast_before_weight (then a product of T's), else after it.
-template <typename T, typename WT>
-void rms_norm_rows(const T* x, int64_t x_stride, const T* residual, int64_t res_stride,
-                   const WT* weight, int64_t hidden, float eps, bool cast_before_weight, T* out,
-                   int64_t out_stride, T* residual_out, int64_t res_out_stride, int64_t begin,
-                   int64_t end, float* h) {
-  constexpr int kLanes = 16;
-  for (int64_t row = begin; row < end; ++row) {
-    const T* x_row = x + row * x_stride;
-    if (residual != nullptr) {
-      const T* r_row = residual + row * res_stride;
-      T* ro_row = residual_out + row * res_out_stride;
-      for (int64_t i = 0; i < hidden; ++i) h[i] = widen(x_row[i]) + widen(r_row[i]);
-      for (int64_t i = 0; i < hidden; ++i) ro_row[i] = narrow_to<T>(h[i]);
-    } else {
-      for (int64_t i = 0; i < hidden; ++i) h[i] = widen(x_row[i]);
-    }
-    // Squares summed in kLanes interleaved partial sums, then those in a fixed order: the same
-    // sum whatever the vector width.
-    float lanes[kLanes] = {};
-    int64_t i = 0;
-    for (; i + kLanes <= hidden; i += kLanes) {
-      for (int j = 0; j < kLanes; ++j) lanes[j] += h[i + j] * h[i + j];
-    }
-    for (int j = 0; i < hidden; ++i, ++j) lanes[j] += h[i] * h[i];
-    for (int width = kLanes / 2; width > 0; width /= 2) {
-      for (int j = 0; j < width; ++j) lanes[j] += lanes[j + width];
-    }
-    const float inv_rms = 1.0f / std::sqrt(lanes[0] / float(hidden) + eps);
-    T* o_row = out + row * out_stride;
-    if (cast_before_weight) {
-      for (int64_t k = 0; k < hidden; ++k) {
-        o_row[k] = narrow_to<T>(widen(weight[k]) * round_as<T>(h[k] * inv_rms));
-      }
-    } else {
-      for (int64_t k = 0; k < hidden; ++k) {
-        o_row[k] = narrow_to<T>((h[k] * inv_rms) * widen(weight[k]));
-      }
-    }
-  }
-}
-
-// SGLang's RotaryEmbedding.forward_native, in place, rows [begin, end): the first rotary_dim
-// dims of every head rotated by the cached cos and sin of the row's position (each product and
-// sum a torch op on T, as `apply_rotary_emb` computes them), the rest of each head unchanged.
-// Neox style pairs dim i with i + rotary_dim / 2; GPT-J style pairs 2i with 2i + 1.
-template <typename T, typename CT>
-void rotary_rows(const int64_t* positions, T* query, int64_t q_stride, int64_t q_heads, T* key,
-                 int64_t k_stride, int64_t k_heads, const CT* cache, int64_t cache_stride,
-                 int64_t head_size, int64_t rotary_dim, bool neox_style, int64_t begin,
-                 int64_t end) {
-  const int64_t half = rotary_dim / 2;
-  for (int64_t token = begin; token < end; ++token) {
-    const CT* cos = cache + positions[token] * cache_stride;
-    const CT* sin = cos + half;
-    for (int part = 0; part < 2; ++part) {
-      T* rows = part == 0 ? query + token * q_stride : key + token * k_stride;
-      const int64_t heads = part == 0 ? q_heads : k_heads;
-      for (int64_t head = 0; head < heads; ++head) {
-        T* x = rows + head * head_size;
-        const int64_t second = neox_style ? half : 1, step = neox_style ? 1 : 2;
-        for (int64_t i = 0; i < half; ++i) {
-          const float c = round_as<T>(widen(cos[i])), s = round_as<T>(widen(sin[i]));
-          const float x1 = widen(x[i * step]), x2 = widen(x[i * step + second]);
-          const float o1 = round_as<T>(x1 * c) - round_as<T>(x2 * s);
-          const float o2 = round_as<T>(x2 * c) + round_as<T>(x1 * s);
-          x[i * step] = narrow_to<T>(o1);
-          x[i * step + second] = narrow_to<T>(o2);
-        }
-      }
-    }
-  }
-}
-
-// SGLang's SiluAndMul.forward_native, rows [begin, end): silu(x[:, :d]) * x[:, d:], silu(a) =
-// a / (1 + e^-a) rounded to T before the product.
-template <typename T>
-void silu_and_mul_rows(const T* x, int64_t x_stride, T* out, int64_t out_stride, int64_t half,
-                       int64_t begin, int64_t end) {
-  for (int64_t row = begin; row < end; ++row) {
-    const T* gate = x + row * x_stride;
-    const T* up = gate + half;
-    T* o_row = out + row * out_stride;
-    for (int64_t i = 0; i < half; ++i) {
-      const float a = widen(gate[i]);
-      const float silu = round_as<T>(a / (1.0f + exp_approx(-a)));
-      o_row[i] = narrow_to<T>(silu * widen(up[i]));
-    }
-  }
-}
-
-}  // namespace
-#endif  // LAYER_OPS_BODY

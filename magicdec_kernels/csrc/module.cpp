@@ -1,4 +1,5 @@
-// The Python module: the native CPU kernels of magicdec_kernels/cpu_native.py.
+// The Python module: the native CPU kernels of magicdec_kernels/cpu_ops.py (built and loaded by
+// magicdec_kernels/native.py).
 
 #include <torch/extension.h>
 
@@ -6,14 +7,14 @@
 #include <string>
 #include <vector>
 
+#include "isa.h"
+
 namespace magicdec {
 // slot_attention.cpp
 torch::Tensor slot_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                              const torch::Tensor& v_cache, const torch::Tensor& q_indptr,
                              const torch::Tensor& head_slots, const torch::Tensor& kv_lens,
                              double scale, torch::Tensor out, const std::string& isa);
-std::string best_isa();
-std::vector<std::string> isa_names();
 // few_rows_linear.cpp
 torch::Tensor few_rows_linear(const torch::Tensor& x, const torch::Tensor& weight,
                               torch::Tensor out, const std::string& isa);
@@ -54,6 +55,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out = silu(x[:, :d]) * x[:, d:].");
   m.def("store_kv", &store_kv, py::arg("k_cache"), py::arg("v_cache"), py::arg("loc"),
         py::arg("k"), py::arg("v"), "k_cache[loc] = k; v_cache[loc] = v.");
-  m.def("best_isa", &best_isa, "The instruction set 'auto' picks on this CPU.");
-  m.def("isas", &isa_names, "The instruction sets this CPU can run, widest first.");
+  m.def(
+      "best_isa", [] { return std::string(isa_name(available_isas().front())); },
+      "The instruction set 'auto' picks on this CPU.");
+  m.def(
+      "isas",
+      [] {
+        std::vector<std::string> names;
+        for (const Isa isa : available_isas()) names.emplace_back(isa_name(isa));
+        return names;
+      },
+      "The instruction sets this CPU runs, widest first.");
 }

@@ -16,9 +16,9 @@ import torch
 from torch.nn.functional import avg_pool1d, max_pool1d
 
 from magicdec_kernels.snapkv_scores import snapkv_window_scores
+from sglang_magicdec import radix_events
 from sglang_magicdec.drafts.streaming import StreamingSelection
 from sglang_magicdec.observer import PendingWindow, WindowObserver
-from sglang_magicdec.plugin import RadixCacheListener, subscribe_to_radix_cache
 from sglang_magicdec.spec_info import DraftPositions, host_copy, to_device
 from sglang_magicdec.summaries import Summary, SummaryStore
 
@@ -90,7 +90,7 @@ class SnapKVDraft:
         return [range(summary_len, prompt_len), range(generated_start, committed_len)]
 
 
-class SnapKVSelection(RadixCacheListener):
+class SnapKVSelection(radix_events.RadixCacheListener):
     """The SnapKV draft inside the server: its summaries' whole lifecycle.
 
     Before a prefill forward (`before_extend`), each request starting its prompt either reuses
@@ -120,7 +120,7 @@ class SnapKVSelection(RadixCacheListener):
         self.without_summary = 0  # long prompts that drafted with the streaming fallback
         self.observer = WindowObserver(model)
         self.layers = sorted(self.observer.layers, key=lambda layer: layer.layer_id)
-        subscribe_to_radix_cache(self)
+        radix_events.subscribe(self)
 
     # -- prefill: plan, observe, score --------------------------------------------------------
 

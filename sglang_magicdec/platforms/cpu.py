@@ -19,7 +19,7 @@ DEFAULT_MEM_FRACTION = 0.25
 # allows one rank per NUMA node (this machine has one).
 THREADS_BIND = "SGLANG_CPU_OMP_THREADS_BIND"
 # SGLang's fused ops look up an out-of-tree platform's forwards under this key
-# (`torch_ops.register_fused_op_forwards`); without one registered they run `forward_native`.
+# (`hooks.register_fused_op_forwards`); without one registered they run `forward_native`.
 DISPATCH_KEY = "native"
 
 

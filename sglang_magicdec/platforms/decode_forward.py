@@ -13,10 +13,16 @@ unquantised and without LoRA, no captured hidden states, no torch forward hooks 
 observer's (prefill only; the plan is made at a model's first decode-sized forward), a decode or
 target-verify batch of at most `MAX_WEIGHT_MAJOR_ROWS` tokens on our attention backend. Anything
 else runs SGLang's forward.
+
+The plan reads some fifteen private attributes of SGLang's layers. Where one of them is gone (a
+rename in SGLang), the model runs SGLang's forward, with one logged warning per process naming
+what was missing; with `SGLANG_MAGICDEC_STRICT=1` (the tests set it) the error is raised instead.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import weakref
 from dataclasses import dataclass
 
@@ -24,6 +30,11 @@ import torch
 
 from magicdec_kernels import cpu_native
 from sglang_magicdec.platforms import torch_ops
+
+logger = logging.getLogger(__name__)
+
+# Set to "1" to raise, instead of warning and running SGLang's forward, where a plan cannot be made.
+STRICT_ENV = "SGLANG_MAGICDEC_STRICT"
 
 
 @dataclass(frozen=True)
@@ -51,6 +62,8 @@ class ModelPlan:
 
 # Each model's plan (None: not one this forward runs), made at its first decode-sized forward.
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Whether this process has logged that a plan could not be made (once per process).
+_warned_unplannable = False
 
 
 def llama_forward(
@@ -138,7 +151,29 @@ def _silu_and_mul(act_fn, x):
 
 
 def plan_of(model) -> ModelPlan | None:
-    """The plan of a model this forward runs as SGLang would, else None."""
+    """The plan of a model this forward runs as SGLang would, else None: also where the plan
+    cannot be made, because SGLang no longer has what it reads (one warning per process), or
+    raises that error when `SGLANG_MAGICDEC_STRICT=1`."""
+    global _warned_unplannable
+    try:
+        return _plan(model)
+    except Exception as error:  # AttributeError, ImportError, TypeError...: SGLang changed
+        if os.environ.get(STRICT_ENV) == "1":
+            raise
+        if not _warned_unplannable:
+            _warned_unplannable = True
+            logger.warning(
+                "decode forward: cannot plan %s (%s: %s), running SGLang's forward instead; "
+                "has SGLang changed what decode_forward.plan_of reads?",
+                type(model).__name__,
+                type(error).__name__,
+                error,
+            )
+        return None
+
+
+def _plan(model) -> ModelPlan | None:
+    from sglang.kernels.fused_op import get_fused_op_backend
     from sglang.srt.layers.activation import SiluAndMul
     from sglang.srt.layers.layernorm import RMSNorm
     from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
@@ -161,6 +196,10 @@ def plan_of(model) -> ModelPlan | None:
             and getattr(linear, "tp_size", 1) == 1
         )
 
+    if get_fused_op_backend() is not None:
+        # A forced fused-op backend (SGLANG_FORCE_FUSED_OP_BACKEND, `set_fused_op_backend`)
+        # takes precedence over `_forward_method` in `BaseFusedOp.forward`: not our ops.
+        return None
     layers = list(model.layers)
     if (
         _hooked(model)

@@ -140,7 +140,7 @@ def rotary_forward(
     op, positions, query, key, offsets=None, fused_set_kv_buffer_arg=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`RotaryEmbedding.forward_native` in place, natively for the cached cos/sin of plain
-    positions (what the classes registered below compute)."""
+    positions (what the classes `hooks` registers compute)."""
     if offsets is None and fused_set_kv_buffer_arg is None and not hasattr(op, "sin_cos_cache"):
         tokens = positions.numel()
         query_rows = query.view(tokens, -1) if query.is_contiguous() or query.dim() == 2 else None
@@ -183,40 +183,3 @@ def rotary_classes() -> list[type]:
         ):
             classes.append(cls)
     return classes
-
-
-def register_fused_op_forwards() -> None:
-    from sglang.kernels.fused_op import BaseFusedOp
-    from sglang.srt.layers.activation import SiluAndMul
-    from sglang.srt.layers.layernorm import RMSNorm
-
-    from sglang_magicdec.platforms.cpu import DISPATCH_KEY
-
-    BaseFusedOp.register_oot_forward(RMSNorm, rms_norm_forward, DISPATCH_KEY)
-    BaseFusedOp.register_oot_forward(SiluAndMul, silu_and_mul_forward, DISPATCH_KEY)
-    for cls in rotary_classes():
-        BaseFusedOp.register_oot_forward(cls, rotary_forward, DISPATCH_KEY)
-
-
-HOOKS = {
-    "sglang.srt.mem_cache.allocation.assign_req_to_token_pool_func": assign_req_to_token_pool,
-}
-# Decode-sized forwards of Llama models run their layers' ops directly (`decode_forward.py`).
-LLAMA_MODEL_FORWARD = "sglang.srt.models.llama.LlamaModel.forward"
-AROUND_HOOKS = {
-    "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply": decode_sized_linear,
-    "sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head": decode_sized_lm_head,
-}
-
-
-def register() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    for target, replacement in HOOKS.items():
-        HookRegistry.register(target, replacement, HookType.REPLACE)
-    for target, wrapper in AROUND_HOOKS.items():
-        HookRegistry.register(target, wrapper, HookType.AROUND)
-    register_fused_op_forwards()
-    from sglang_magicdec.platforms import decode_forward
-
-    HookRegistry.register(LLAMA_MODEL_FORWARD, decode_forward.llama_forward, HookType.AROUND)

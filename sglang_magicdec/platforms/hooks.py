@@ -1,0 +1,48 @@
+"""Installs our CPU platform's ops into SGLang (`plugin.load` calls `register` when the platform is
+active): the torch helpers and few-row products of `torch_ops`, the native forwards of SGLang's
+fused ops, and the Llama decode forward (`decode_forward`)."""
+
+from __future__ import annotations
+
+from sglang_magicdec.platforms import decode_forward, torch_ops
+
+HOOKS = {
+    "sglang.srt.mem_cache.allocation.assign_req_to_token_pool_func": (
+        torch_ops.assign_req_to_token_pool
+    ),
+}
+AROUND_HOOKS = {
+    "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply": (
+        torch_ops.decode_sized_linear
+    ),
+    "sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head": (
+        torch_ops.decode_sized_lm_head
+    ),
+    # Decode-sized forwards of Llama models run their layers' ops directly.
+    "sglang.srt.models.llama.LlamaModel.forward": decode_forward.llama_forward,
+}
+
+
+def register_fused_op_forwards() -> None:
+    """SGLang's out-of-tree seam for a platform's forwards of its fused ops (taken over their
+    torch `forward_native` on our platform, dispatch key "native")."""
+    from sglang.kernels.fused_op import BaseFusedOp
+    from sglang.srt.layers.activation import SiluAndMul
+    from sglang.srt.layers.layernorm import RMSNorm
+
+    from sglang_magicdec.platforms.cpu import DISPATCH_KEY
+
+    BaseFusedOp.register_oot_forward(RMSNorm, torch_ops.rms_norm_forward, DISPATCH_KEY)
+    BaseFusedOp.register_oot_forward(SiluAndMul, torch_ops.silu_and_mul_forward, DISPATCH_KEY)
+    for cls in torch_ops.rotary_classes():
+        BaseFusedOp.register_oot_forward(cls, torch_ops.rotary_forward, DISPATCH_KEY)
+
+
+def register() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for target, replacement in HOOKS.items():
+        HookRegistry.register(target, replacement, HookType.REPLACE)
+    for target, wrapper in AROUND_HOOKS.items():
+        HookRegistry.register(target, wrapper, HookType.AROUND)
+    register_fused_op_forwards()
