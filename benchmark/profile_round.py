@@ -38,6 +38,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 PY_SPY_PHASES = {"draft steps": "MagicDecWorker._draft_step", "verify": "MagicDecWorker._verify"}
 # Rows of the table: a part of the round (its time without the parts nested in it).
 ROWS = {
+    "_extend": "extend (prefill)",
     "_draft_step": "draft steps",
     "_verify": "verify",
     "_draft_round": "draft lists",

@@ -8,7 +8,10 @@ These timers cost a `perf_counter` pair per call.
 
 Installed in the server's processes by `sitecustomize` (`SITECUSTOMIZE`, put on `PYTHONPATH`):
 the worker and kernel modules are wrapped as they are imported, and the scheduler writes its
-totals to `$MAGICDEC_ROUND_TIMERS` after every decode batch.
+totals to `$MAGICDEC_ROUND_TIMERS` after every batch the worker runs. A MAGICDEC server's parts are
+its worker's methods (`PARTS`, extend batches included); with `$MAGICDEC_ROUND_TIMERS_TARGET` set
+(a server without speculation) the target model's forwards are the parts, named by their mode
+("decode", "extend"), so that whatever is left of the wall time is the scheduler's own.
 """
 
 from __future__ import annotations
@@ -25,7 +28,16 @@ from collections.abc import Callable
 
 ENV = "MAGICDEC_ROUND_TIMERS"
 # Outermost first: a kernel's time counts for the innermost part it ran in.
-PARTS = ("_speculate", "_plain_decode", "_draft_round", "_draft_step", "_verify", "_commit")
+PARTS = (
+    "_extend",
+    "_speculate",
+    "_plain_decode",
+    "_draft_round",
+    "_draft_step",
+    "_verify",
+    "_commit",
+)
+TARGET_ENV = "MAGICDEC_ROUND_TIMERS_TARGET"
 KERNELS = {"few_rows_linear": "linear", "slot_attention": "attention"}
 SITECUSTOMIZE = "import benchmark.round_timers as timers\ntimers.install()\n"
 
@@ -82,6 +94,19 @@ def _wrap_worker(module) -> None:
         setattr(worker, name, _timed_part(name, getattr(worker, name)))
 
 
+def _wrap_target_worker(module) -> None:
+    worker = module.TpModelWorker
+    forward = worker.forward_batch_generation
+    parts = {name: _timed_part(name, forward) for name in ("decode", "extend")}
+
+    @functools.wraps(forward)
+    def by_mode(self, batch, *args, **kwargs):
+        mode = "decode" if batch.forward_mode.is_decode() else "extend"
+        return parts[mode](self, batch, *args, **kwargs)
+
+    worker.forward_batch_generation = by_mode
+
+
 def _wrap_kernels(module) -> None:
     for name, label in KERNELS.items():
         setattr(module, name, _timed_kernel(label, getattr(module, name)))
@@ -114,15 +139,12 @@ class _WrapOnImport(importlib.abc.MetaPathFinder):
 def install() -> None:
     """Wrap the worker and the kernels when they are imported (only where `ENV` is set)."""
     if os.environ.get(ENV):
-        sys.meta_path.insert(
-            0,
-            _WrapOnImport(
-                {
-                    "sglang_magicdec.worker": _wrap_worker,
-                    "magicdec_kernels.cpu_native": _wrap_kernels,
-                }
-            ),
-        )
+        wraps = {"magicdec_kernels.cpu_native": _wrap_kernels}
+        if os.environ.get(TARGET_ENV):
+            wraps["sglang.srt.managers.tp_worker"] = _wrap_target_worker
+        else:
+            wraps["sglang_magicdec.worker"] = _wrap_worker
+        sys.meta_path.insert(0, _WrapOnImport(wraps))
 
 
 def read(path: str) -> dict:

@@ -39,11 +39,11 @@ the probabilities are rounded to bf16 for the value product, as GPU flash attent
 
 from __future__ import annotations
 
-from pathlib import Path
+import weakref
 
 import torch
 
-from magicdec_kernels.loader import native
+from magicdec_kernels.loader import cpu_flags, native
 from magicdec_kernels.shapes import check_gqa
 
 
@@ -157,20 +157,14 @@ def slot_attention(
     )
 
 
-def _cpu_has_amx() -> bool:
-    try:
-        return "amx_bf16" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
-# Rows up to which the native few-row product beats torch's (`benchmark/bench_cpu_backend.py
-# --kernels`). Float32 stays about at the weight's bytes floor to 8 rows and at the FMA rate past
-# that. bf16's `vdpbf16ps` is compute-bound past ~8 rows: on an Intel CPU with AMX, oneDNN's bf16
-# path is faster from there; without AMX (AMD EPYC, 2026-12-02: SmolLM2's 30 layers at 8 / 16 /
-# 24 / 32 rows, native 12.5 / 18.8 / 25.0 / 37.1 ms, F.linear 29.6 / 33.2 / 31.2 / 35.4) up to
-# 24 rows.
-FEW_ROWS_MAX = {torch.float32: 64, torch.bfloat16: 8 if _cpu_has_amx() else 24}
+# Rows up to which the native few-row product runs (`benchmark/bench_cpu_backend.py --kernels`).
+# Below it a row's result does not depend on its batch, so a verify row computes exactly what a
+# decode step of its token would. Without AMX it is also the faster product at every size a
+# decode, draft or verify step has (AMD EPYC with AVX512-BF16, 2026-12-03, SmolLM2's 30 layers
+# and LM head at 8 / 32 / 64 rows: bf16 native 15.3 / 39.8 / 73.0 ms, F.linear 30.4 / 46.7 /
+# 76.7; float32 26.3 / 61.7 / 109.5 against 88.2 / 114.9 / 169.6). On an Intel CPU with AMX,
+# oneDNN's bf16 tiles are faster past ~8 rows, and take them.
+FEW_ROWS_MAX = {torch.float32: 64, torch.bfloat16: 8 if "amx_bf16" in cpu_flags() else 64}
 
 
 def supports_few_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -190,14 +184,57 @@ def supports_few_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """x·weightᵀ by the native kernel where it is loaded and takes these tensors, else None:
     x [M, K] contiguous, weight [N, K] with contiguous rows, both float32 or both bfloat16;
-    returns [M, N] in x's dtype.
+    returns [M, N] in x's dtype. The weight is packed at its first use (`pack_rows`, kept while
+    the weight lives and is not written to).
 
     Each output is one float32 dot product in a fixed order whatever M is, so a row's result does
     not depend on the rows sharing the call; bf16 results are rounded once, to nearest even."""
     module = native() if supports_few_rows(x, weight) else None
     if module is None:
         return None
-    return module.few_rows_linear(x, weight, x.new_empty(x.shape[0], weight.shape[0]))
+    out = x.new_empty(x.shape[0], weight.shape[0])
+    return module.few_rows_linear(x, packed_rows(weight), weight.shape[0], out)
+
+
+PANEL = 16  # output rows per panel of a packed weight (csrc/few_rows_linear.cpp)
+
+
+def pack_rows(weight: torch.Tensor) -> torch.Tensor:
+    """A weight [N, K] in the few-row product's layout: panels of PANEL rows (the last padded
+    with zeros), each walked along K; float32 [N / 16, K, 16], bfloat16 [N / 16, K / 2, 16, 2]
+    (pairs of k, K padded to even)."""
+    rows, depth = weight.shape
+    panels = -(-rows // PANEL)
+    if weight.dtype == torch.bfloat16:
+        padded = weight.new_zeros(panels * PANEL, depth + depth % 2)
+        padded[:rows, :depth] = weight
+        return padded.view(panels, PANEL, -1, 2).permute(0, 2, 1, 3).contiguous()
+    padded = weight.new_zeros(panels * PANEL, depth)
+    padded[:rows] = weight
+    return padded.view(panels, PANEL, depth).transpose(1, 2).contiguous()
+
+
+# Each weight's packed copy, by the weight's id: (a weak reference to the weight, the version it
+# was packed from, the copy). A weight written in place (SGLang's weight updates) is packed again;
+# a collected one's copy goes with it. One more copy of the weights decode-sized products read
+# (the LM head's included); prefill keeps reading the originals.
+_PACKED: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+
+
+def packed_rows(weight: torch.Tensor) -> torch.Tensor:
+    """`pack_rows(weight)`, packed once per version of the weight."""
+    key = id(weight)
+    entry = _PACKED.get(key)
+    if entry is not None and entry[0]() is weight and entry[1] == weight._version:
+        return entry[2]
+    packed = pack_rows(weight)
+
+    def forget(ref: weakref.ref, key: int = key) -> None:
+        if _PACKED.get(key, (None,))[0] is ref:
+            del _PACKED[key]
+
+    _PACKED[key] = (weakref.ref(weight, forget), weight._version, packed)
+    return packed
 
 
 # A decoder layer's per-token ops (csrc/layer_ops.cpp): SGLang's torch versions of these are 5-20

@@ -28,6 +28,20 @@ SOURCES = [
 EXTENSION_NAME = "magicdec_cpu_kernels"
 
 
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them ("avx512_bf16", "amx_bf16", ...); empty where
+    /proc/cpuinfo is not there."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
 def build(verbose: bool = False) -> ModuleType:
     """Compile (if the sources or the headers they include changed) and load the extension."""
     cpp_extension = _import_cpp_extension()

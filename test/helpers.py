@@ -105,11 +105,6 @@ def top2_gap(server, context: list[int]) -> float:
 TIE_GAP = 1e-4
 
 
-# bf16 logits up to 32 are rounded to steps of 0.125, and a verify pass and a decode step can
-# round each of the two compared logits to a different side: two steps.
-BF16_TIE_GAP = 0.25
-
-
 def assert_same_or_tie(plain, prompt, got, expected, label, tie_gap: float = TIE_GAP):
     """Outputs must match; a divergence is allowed only at a numerical tie of the target."""
     diverge = next((i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), None)

@@ -294,3 +294,46 @@ def test_build_failure_is_one_warning(monkeypatch, caplog):
     assert [record.getMessage() for record in caplog.records] == [
         "native CPU kernels unavailable (build failed: x.cpp:1:1: error: no compiler)"
     ]
+
+
+def _decode_row(case: Case, b: int, token: int, isa: str, extra: int) -> torch.Tensor:
+    """Request b's verify row `token` as a plain decode step computes it: one query row over the
+    first kv_len - q_len + token + 1 slots of its list, in a batch with `extra` other requests
+    (their own lists and rows: the batch must not matter)."""
+    bounds = case.q_indptr.tolist()
+    q_len = bounds[b + 1] - bounds[b]
+    seen = int(case.kv_lens[b]) - q_len + token + 1
+    others = [o for o in range(len(bounds) - 1) if o != b][:extra]
+    rows = [bounds[b] + token] + [bounds[o] for o in others]
+    q = case.q[rows].contiguous()
+    head_slots = case.head_slots[[b, *others]]
+    kv_lens = torch.tensor([seen] + [int(case.kv_lens[o]) for o in others])
+    out = q.new_zeros(q.shape[0], q.shape[1], case.v_cache.shape[2])
+    q_indptr = torch.arange(len(rows) + 1)
+    native().slot_attention(q, case.k_cache, case.v_cache, q_indptr, head_slots, kv_lens,
+                            case.scale, out, isa)  # fmt: skip
+    return out[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_verify_row_is_the_decode_row_of_its_token(dtype):
+    """Row invariance, which exact speculative decoding rests on: verify row j of a request
+    computes, bit for bit, what a plain decode step of that token computes (its list cut to what
+    it sees, whatever else is in either batch), on every instruction set; lists that cross the
+    kernel's key chunks, and tokens whose rows straddle a chunk boundary."""
+    q_lens = [4, 4, 1, 8]
+    kv_lens = [2049, 4100, 700, 2055]  # rows seeing 2046..2049 keys: across the 2048 boundary
+    case = _make_case(
+        q_lens, kv_lens, group=3, num_kv_heads=3, head_dim=64, dtype=dtype, seed=21,
+        contiguous_slots=True,
+    )  # fmt: skip
+    module = native()
+    for isa in module.isas():
+        verify = case.q.new_zeros(case.q.shape[0], case.q.shape[1], case.v_cache.shape[2])
+        module.slot_attention(*case.args(), verify, isa)
+        for b, q_len in enumerate(q_lens):
+            start = int(case.q_indptr[b])
+            for token in range(q_len):
+                for extra in (0, 2):
+                    decode = _decode_row(case, b, token, isa, extra)
+                    assert torch.equal(decode, verify[start + token]), (isa, b, token, extra)

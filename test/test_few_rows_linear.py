@@ -4,10 +4,19 @@ rests on: a row's result does not depend on the rows that share the call."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
-from magicdec_kernels.cpu_native import FEW_ROWS_MAX, few_rows_linear, supports_few_rows
+from magicdec_kernels import cpu_native
+from magicdec_kernels.cpu_native import (
+    FEW_ROWS_MAX,
+    few_rows_linear,
+    pack_rows,
+    packed_rows,
+    supports_few_rows,
+)
 from magicdec_kernels.loader import native
 from sglang_magicdec.platforms.torch_ops import few_rows_product, weight_major_product
 from test.references import few_rows_linear_torch
@@ -53,15 +62,19 @@ def _check(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
 
 def _native_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The native kernel itself (its checks raise), as `few_rows_linear` calls it."""
-    return native().few_rows_linear(x, weight, x.new_empty(x.shape[0], weight.shape[0]))
+    return _product(x, weight, "auto")
+
+
+def _product(x: torch.Tensor, weight: torch.Tensor, isa: str) -> torch.Tensor:
+    out = x.new_full((x.shape[0], weight.shape[0]), 7.0)
+    return native().few_rows_linear(x, pack_rows(weight), weight.shape[0], out, isa)
 
 
 def _all_paths(x: torch.Tensor, weight: torch.Tensor) -> dict[str, torch.Tensor]:
     module = native()
     results = {}
     for isa in module.isas():
-        out = x.new_full((x.shape[0], weight.shape[0]), 7.0)
-        results[isa] = module.few_rows_linear(x, weight, out, isa)
+        results[isa] = _product(x, weight, isa)
     results["torch"] = few_rows_linear_torch(x, weight)
     return results
 
@@ -85,9 +98,9 @@ def test_a_row_does_not_depend_on_its_batch(rows, depth, outputs, dtype):
     x, weight = _operands(rows, depth, outputs, dtype, seed=1)
     module = native()
     for isa in module.isas():
-        together = module.few_rows_linear(x, weight, x.new_empty(rows, outputs), isa)
+        together = _product(x, weight, isa)
         for row in range(rows):
-            alone = module.few_rows_linear(x[row : row + 1], weight, x.new_empty(1, outputs), isa)
+            alone = _product(x[row : row + 1], weight, isa)
             assert torch.equal(alone[0], together[row]), f"{isa}: row {row} of {rows}"
 
 
@@ -108,25 +121,46 @@ def test_threads_do_not_change_results(dtype):
 @DTYPES
 def test_strided_weight_rows(dtype):
     """A weight whose rows are further apart than K (a column slice of a wider matrix) and a
-    row slice of a larger one are read in place."""
+    row slice of a larger one pack as the rows they hold."""
     x, wide = _operands(6, 96, 40, dtype, seed=3)
     wider = torch.cat([wide, wide.flip(1)], dim=1)[:, :96]
     assert wider.stride(0) == 192
-    _check(_native_product(x, wider), x, wider)
+    _check(few_rows_linear(x, wider), x, wider)
     rows = wide[7:30]
-    _check(_native_product(x, rows), x, rows)
+    _check(few_rows_linear(x, rows), x, rows)
+
+
+@DTYPES
+def test_a_weight_is_packed_once_and_again_after_a_write(dtype):
+    """The packed copy follows its weight: reused while the weight is unchanged, packed anew
+    after an in-place write (SGLang's weight updates), dropped with the weight."""
+    x, weight = _operands(3, 64, 20, dtype, seed=5)
+    first = packed_rows(weight)
+    assert packed_rows(weight) is first
+    weight.mul_(2)
+    again = packed_rows(weight)
+    assert again is not first
+    _check(few_rows_linear(x, weight), x, weight)
+    key = id(weight)
+    del weight
+    gc.collect()
+    assert key not in cpu_native._PACKED
 
 
 def test_bad_operands_raise():
     x, weight = _operands(2, 32, 8, torch.float32)
+    packed, out = pack_rows(weight), x.new_empty(2, 8)
+    module = native()
     with pytest.raises(RuntimeError, match="share a dtype"):
-        _native_product(x, weight.bfloat16())
+        module.few_rows_linear(x, pack_rows(weight.bfloat16()), 8, out)
     with pytest.raises(RuntimeError, match="contiguous"):
-        _native_product(torch.randn(32, 2).t(), weight)
-    with pytest.raises(RuntimeError, match="differ in K"):
-        _native_product(x, weight[:, :16])
+        module.few_rows_linear(torch.randn(32, 2).t(), packed, 8, out)
+    with pytest.raises(RuntimeError, match="does not hold"):
+        module.few_rows_linear(x, pack_rows(weight[:, :16]), 8, out)
+    with pytest.raises(RuntimeError, match="does not hold"):
+        module.few_rows_linear(x, packed, 17, x.new_empty(2, 17))
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
-        _native_product(x.half(), weight.half())
+        module.few_rows_linear(x.half(), pack_rows(weight).half(), 8, out.half())
 
 
 @DTYPES

@@ -57,3 +57,19 @@ def test_threads_bind_splits_the_cores_between_ranks(cores, ranks, expected):
     from sglang_magicdec.platforms.cpu import threads_bind
 
     assert threads_bind(cores, ranks) == expected
+
+
+@pytest.mark.parametrize(
+    "flags,dtype",
+    [
+        ({"avx2", "avx512f", "avx512_bf16"}, "bfloat16"),  # AMD Zen 4, Intel Cooper Lake
+        ({"avx2", "avx512f", "amx_bf16", "amx_tile"}, "bfloat16"),  # Intel Sapphire Rapids
+        ({"avx2", "avx512f"}, "float32"),  # AVX-512 without bf16 products
+        ({"avx2", "fma"}, "float32"),
+        (set(), "float32"),  # no /proc/cpuinfo
+    ],
+)
+def test_dtype_auto_is_bf16_where_the_cpu_multiplies_bf16(flags, dtype):
+    from sglang_magicdec.platforms.cpu import default_dtype
+
+    assert default_dtype(frozenset(flags)) == dtype

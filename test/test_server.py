@@ -4,8 +4,10 @@ import openai
 import pytest
 import requests
 
+from magicdec_kernels.loader import cpu_flags
 from sglang_magicdec.model import EMBEDDED_NAME
 from sglang_magicdec.platforms import ATTENTION_BACKEND
+from sglang_magicdec.platforms.cpu import default_dtype
 from test.helpers import ON_CPU_MACHINE
 
 pytestmark = pytest.mark.server  # starts real SGLang servers
@@ -21,7 +23,7 @@ def test_cpu_defaults_need_no_flags(server):
     info = requests.get(f"{server.url}/get_server_info", timeout=10).json()
     assert info["device"] == "cpu"
     assert info["attention_backend"] == ATTENTION_BACKEND
-    assert info["dtype"] == "float32"
+    assert info["dtype"] == default_dtype(cpu_flags())
 
 
 def test_openai_chat_answers_a_factual_question(server):

@@ -1,121 +1,162 @@
-// The few-row product's body: register tiles of dot products over K, lane-wise in vectors of the
-// instruction set, then across the lanes (entry point and threads: few_rows_linear.cpp).
-// Compiled once per instruction set by multiversion.h, with that set's `Ops`.
+// The few-row product's body: out[m, n] = x[m, :] . W[n, :] over a packed W (entry point,
+// packing and threads: few_rows_linear.cpp). Compiled once per instruction set by
+// multiversion.h, with that set's `Ops`.
 //
-// Every output is one dot product in a fixed order, whatever tile it falls in: the same vector
-// operations lane by lane over K (a partial last vector read as zeros), then `Ops::hsum`.
+// W is packed in panels of kPanel = 16 output rows, each panel's K walked in order (float32:
+// [K][16]; bf16: [K / 2][16][2], pairs of k). A register tile holds NP panels x MB rows of x as
+// output vectors: each step over k loads the panels' weights once and meets them with MB
+// broadcast elements of x. Each output lane sums its K products in order, whatever M is and
+// whichever tile it falls in, and is never reduced across lanes: a row's result does not depend
+// on the rows that share the call.
 
-// Loads of a tile's operands: Raw registers of kStep elements, and acc + w * x lane-wise.
-// Widened: float32, or bf16 widened to float32, multiplied with FMAs.
+constexpr int kVectorsPerPanel = kPanel / Ops::W;
+// Panels per tile: the tile's MB x NP x kVectorsPerPanel accumulators, NP x kVectorsPerPanel
+// weight vectors and a broadcast fit the registers (AVX-512: 8 x 3 + 3 + 1 of 32; AVX2 and
+// portable: 4 x 1 x 2 + 2 + 1 of 16).
+constexpr int kTilePanels = Ops::kRegisters == 32 ? 3 : 1;
+constexpr int kTileRowsMax = Ops::kRegisters == 32 ? 8 : 4;
+using V = Ops::V;
+
+// float32 W, or bf16 W widened to float32 (a pair of k per 32-bit word: the low half is k).
 template <typename T>
 struct Widened {
-  using Elem = T;
-  using Raw = Ops::V;
-  static constexpr int kStep = Ops::W;
-  static inline Raw load(const T* p) { return Ops::load(p); }
-  static inline Raw load_first(const T* p, int n) { return Ops::load_first(p, n); }
-  static inline Ops::V madd(Ops::V acc, Raw w, Raw x) { return Ops::fma(w, x, acc); }
+  // acc[r][v] += x[r][k] * W[k] for the panel vectors v, over k in [k_begin, k_end).
+  template <int MB, int NP>
+  static inline void tile(const T* panels, int64_t panel_stride, const T* x, int64_t x_stride,
+                          int64_t depth, V (&acc)[MB][NP * kVectorsPerPanel]) {
+    if constexpr (std::is_same_v<T, float>) {
+      for (int64_t k = 0; k < depth; ++k) {
+        V w[NP * kVectorsPerPanel];
+        for (int p = 0; p < NP; ++p) {
+          for (int v = 0; v < kVectorsPerPanel; ++v) {
+            w[p * kVectorsPerPanel + v] = Ops::load(panels + p * panel_stride + k * kPanel + v * Ops::W);
+          }
+        }
+        for (int r = 0; r < MB; ++r) {
+          const V xr = Ops::set1(x[r * x_stride + k]);
+          for (int i = 0; i < NP * kVectorsPerPanel; ++i) acc[r][i] = Ops::fma(xr, w[i], acc[r][i]);
+        }
+      }
+    } else {
+      // bf16: word l of pair k2 holds (W[l][2 k2], W[l][2 k2 + 1]); k first, then k + 1.
+      const int64_t pairs = (depth + 1) / 2;
+      for (int64_t k2 = 0; k2 < pairs; ++k2) {
+        for (int half = 0; half < 2; ++half) {
+          const int64_t k = 2 * k2 + half;
+          if (k >= depth) break;
+          V w[NP * kVectorsPerPanel];
+          for (int p = 0; p < NP; ++p) {
+            for (int v = 0; v < kVectorsPerPanel; ++v) {
+              w[p * kVectorsPerPanel + v] = Ops::load_pair_half(
+                  panels + p * panel_stride + (k2 * kPanel + v * Ops::W) * 2, half);
+            }
+          }
+          for (int r = 0; r < MB; ++r) {
+            const V xr = Ops::set1(widen(x[r * x_stride + k]));
+            for (int i = 0; i < NP * kVectorsPerPanel; ++i) {
+              acc[r][i] = Ops::fma(xr, w[i], acc[r][i]);
+            }
+          }
+        }
+      }
+    }
+  }
 };
 
 #ifdef MAGICDEC_VEC_BF16_DOT
-// bf16 pairs multiplied exactly and summed by `vdpbf16ps` into float32 lanes.
+// bf16 pairs multiplied exactly and summed by `vdpbf16ps`: one instruction per pair of k.
 struct Bf16Dot {
-  using Elem = bf16_bits;
-  using Raw = __m512i;
-  static constexpr int kStep = 32;
-  static inline Raw load(const bf16_bits* p) { return _mm512_loadu_si512(p); }
-  static inline Raw load_first(const bf16_bits* p, int n) {
-    return _mm512_maskz_loadu_epi16(__mmask32((uint64_t(1) << n) - 1), p);
-  }
-  static inline Ops::V madd(Ops::V acc, Raw w, Raw x) {
-    return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x);
+  template <int MB, int NP>
+  static inline void tile(const bf16_bits* panels, int64_t panel_stride, const bf16_bits* x,
+                          int64_t x_stride, int64_t depth, V (&acc)[MB][NP]) {
+    const int64_t pairs = depth / 2;
+    for (int64_t k2 = 0; k2 < pairs; ++k2) {
+      __m512i w[NP];
+      for (int p = 0; p < NP; ++p) {
+        w[p] = _mm512_loadu_si512(panels + p * panel_stride + k2 * 2 * kPanel);
+      }
+      for (int r = 0; r < MB; ++r) {
+        uint32_t pair;
+        std::memcpy(&pair, x + r * x_stride + 2 * k2, sizeof(pair));
+        const __m512i xr = _mm512_set1_epi32(int(pair));
+        for (int p = 0; p < NP; ++p) {
+          acc[r][p] = _mm512_dpbf16_ps(acc[r][p], (__m512bh)w[p], (__m512bh)xr);
+        }
+      }
+    }
+    if (depth % 2) {  // an odd K: the last k alone, its pair's other half zero in both
+      const int64_t k2 = pairs;
+      for (int p = 0; p < NP; ++p) {
+        const __m512i w = _mm512_loadu_si512(panels + p * panel_stride + k2 * 2 * kPanel);
+        for (int r = 0; r < MB; ++r) {
+          const __m512i xr = _mm512_set1_epi32(int(uint32_t(x[r * x_stride + 2 * k2])));
+          acc[r][p] = _mm512_dpbf16_ps(acc[r][p], (__m512bh)w, (__m512bh)xr);
+        }
+      }
+    }
   }
 };
 #endif
 
-// result[i][j] = w_i . x_j for NB weight rows and MB rows of x. The first tile of a block
-// (prefetch) also asks for the weight rows kPrefetchRows ahead, into L2.
-template <typename Load>
-struct Tile {
-  using T = typename Load::Elem;
-  template <int NB, int MB>
-  static inline void tile(const T* w, int64_t w_stride, const T* x, int64_t depth, bool prefetch,
-                          float (&result)[NB][MB]) {
-    constexpr int kStep = Load::kStep;
-    typename Ops::V acc[NB][MB];
-    for (int i = 0; i < NB; ++i) {
-      for (int j = 0; j < MB; ++j) acc[i][j] = Ops::zero();
-    }
-    int64_t k = 0;
-    const T* ahead = w + kPrefetchRows * w_stride;
-    for (; k + kStep <= depth; k += kStep) {
-      typename Load::Raw wv[NB];
-      for (int i = 0; i < NB; ++i) wv[i] = Load::load(w + i * w_stride + k);
-      if (prefetch) {
-        for (int i = 0; i < NB; ++i) Ops::prefetch(ahead + i * w_stride + k);
+// out[m0:m0+MB, panel p's 16 columns] for panels [p_begin, p_begin + NP).
+template <typename Kernel, typename T, typename OutT, int MB, int NP>
+inline void run_tile(const PackedOperands<T>& ops, int64_t m0, int64_t p_begin) {
+  V acc[MB][NP * kVectorsPerPanel];
+  for (int r = 0; r < MB; ++r) {
+    for (int i = 0; i < NP * kVectorsPerPanel; ++i) acc[r][i] = Ops::zero();
+  }
+  const T* panels = ops.packed + p_begin * ops.panel_stride;
+  Kernel::template tile<MB, NP>(panels, ops.panel_stride, ops.x + m0 * ops.depth, ops.depth,
+                                ops.depth, acc);
+  OutT* out = static_cast<OutT*>(ops.out);
+  alignas(64) float lanes[kPanel];
+  for (int r = 0; r < MB; ++r) {
+    for (int p = 0; p < NP; ++p) {
+      for (int v = 0; v < kVectorsPerPanel; ++v) {
+        Ops::store(lanes + v * Ops::W, acc[r][p * kVectorsPerPanel + v]);
       }
-      for (int j = 0; j < MB; ++j) {
-        const typename Load::Raw xv = Load::load(x + j * depth + k);
-        for (int i = 0; i < NB; ++i) acc[i][j] = Load::madd(acc[i][j], wv[i], xv);
-      }
-    }
-    if (k < depth) {
-      const int rest = int(depth - k);
-      typename Load::Raw wv[NB];
-      for (int i = 0; i < NB; ++i) wv[i] = Load::load_first(w + i * w_stride + k, rest);
-      for (int j = 0; j < MB; ++j) {
-        const typename Load::Raw xv = Load::load_first(x + j * depth + k, rest);
-        for (int i = 0; i < NB; ++i) acc[i][j] = Load::madd(acc[i][j], wv[i], xv);
-      }
-    }
-    for (int i = 0; i < NB; ++i) {
-      for (int j = 0; j < MB; ++j) result[i][j] = Ops::hsum(acc[i][j]);
+      const int64_t n0 = (p_begin + p) * kPanel;
+      const int64_t columns = std::min<int64_t>(kPanel, ops.num_out - n0);
+      OutT* row = out + (m0 + r) * ops.num_out + n0;
+      for (int64_t c = 0; c < columns; ++c) row[c] = narrow_to<OutT>(lanes[c]);
     }
   }
-};
+}
 
-// out[:, n_begin:n_end] = x . weight[n_begin:n_end]^T: blocks of kBlockN weight rows, each met
-// by x's rows in tiles of up to kTileM (the block from memory once, from L1 for later tiles).
+// Panels [p_begin, p_end) for every row of x: tiles of up to kTilePanels panels x kTileRowsMax
+// rows, the panels' weights streamed once per tile of rows (from cache after the first).
 template <typename Kernel, typename T, typename OutT>
-void block_range(const Operands<T>& ops, int64_t n_begin, int64_t n_end) {
-  OutT* out = static_cast<OutT*>(ops.out);
-  for (int64_t n = n_begin; n < n_end; n += kBlockN) {
-    with_count<kBlockN>(int(std::min<int64_t>(kBlockN, n_end - n)), [&](auto nb) {
-      constexpr int NB = decltype(nb)::value;
-      const T* w = ops.weight + n * ops.weight_stride;
-      for (int64_t m = 0; m < ops.num_rows; m += kTileM) {
-        with_count<kTileM>(int(std::min<int64_t>(kTileM, ops.num_rows - m)), [&](auto mb) {
-          constexpr int MB = decltype(mb)::value;
-          float result[NB][MB];
-          Kernel::template tile<NB, MB>(w, ops.weight_stride, ops.x + m * ops.depth, ops.depth,
-                                        m == 0, result);
-          for (int j = 0; j < MB; ++j) {
-            for (int i = 0; i < NB; ++i) {
-              out[(m + j) * ops.num_out + n + i] = narrow_to<OutT>(result[i][j]);
-            }
-          }
-        });
+void panel_range(const PackedOperands<T>& ops, int64_t p_begin, int64_t p_end) {
+  for (int64_t p = p_begin; p < p_end; p += kTilePanels) {
+    with_count<kTilePanels>(int(std::min<int64_t>(kTilePanels, p_end - p)), [&](auto np) {
+      constexpr int NP = decltype(np)::value;
+      for (int64_t m = 0; m < ops.num_rows; m += kTileRowsMax) {
+        with_count<kTileRowsMax>(int(std::min<int64_t>(kTileRowsMax, ops.num_rows - m)),
+                                 [&](auto mb) {
+                                   constexpr int MB = decltype(mb)::value;
+                                   run_tile<Kernel, T, OutT, MB, NP>(ops, m, p);
+                                 });
       }
     });
   }
 }
 
 template <typename Kernel, typename T>
-void product(const void* ops, bool bf16_out, int64_t n_begin, int64_t n_end) {
-  const auto& operands = *static_cast<const Operands<T>*>(ops);
+void product(const void* ops, bool bf16_out, int64_t p_begin, int64_t p_end) {
+  const auto& operands = *static_cast<const PackedOperands<T>*>(ops);
   if (bf16_out) {
-    block_range<Kernel, T, bf16_bits>(operands, n_begin, n_end);
+    panel_range<Kernel, T, bf16_bits>(operands, p_begin, p_end);
   } else {
-    block_range<Kernel, T, float>(operands, n_begin, n_end);
+    panel_range<Kernel, T, float>(operands, p_begin, p_end);
   }
 }
 
 // This instruction set's product for float32 and for bf16 operands.
 constexpr ProductFns kProduct = {
-    &product<Tile<Widened<float>>, float>,
+    &product<Widened<float>, float>,
 #ifdef MAGICDEC_VEC_BF16_DOT
-    &product<Tile<Bf16Dot>, bf16_bits>,
+    &product<Bf16Dot, bf16_bits>,
 #else
-    &product<Tile<Widened<bf16_bits>>, bf16_bits>,
+    &product<Widened<bf16_bits>, bf16_bits>,
 #endif
 };

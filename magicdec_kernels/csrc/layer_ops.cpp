@@ -1,6 +1,6 @@
 // A decoder layer's small per-token operations on CPU, one native call each: RMSNorm (with the
 // residual add), rotary embedding, SiLU-and-mul and the KV-pool write. (Python side and the
-// exact semantics: magicdec_kernels/cpu_ops.py; torch references: test/references.py; how
+// exact semantics: magicdec_kernels/cpu_native.py; torch references: test/references.py; how
 // SGLang reaches them: sglang_magicdec/platforms/torch_ops.py.)
 //
 // SGLang's torch versions of these are 5 to 20 small torch ops each. At decode sizes (a few

@@ -1,4 +1,4 @@
-// The Python module: the native CPU kernels of magicdec_kernels/cpu_ops.py (built and loaded by
+// The Python module: the native CPU kernels of magicdec_kernels/cpu_native.py (built and loaded by
 // magicdec_kernels/native.py).
 
 #include <torch/extension.h>
@@ -16,8 +16,8 @@ torch::Tensor slot_attention(const torch::Tensor& q, const torch::Tensor& k_cach
                              const torch::Tensor& head_slots, const torch::Tensor& kv_lens,
                              double scale, torch::Tensor out, const std::string& isa);
 // few_rows_linear.cpp
-torch::Tensor few_rows_linear(const torch::Tensor& x, const torch::Tensor& weight,
-                              torch::Tensor out, const std::string& isa);
+torch::Tensor few_rows_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                              int64_t num_out, torch::Tensor out, const std::string& isa);
 // layer_ops.cpp
 void rms_norm(const torch::Tensor& x, const std::optional<torch::Tensor>& residual,
               const torch::Tensor& weight, double eps, bool cast_before_weight, torch::Tensor out,
@@ -39,10 +39,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("isa") = "auto", py::call_guard<py::gil_scoped_release>(),
         "Writes softmax(q k^T scale + causal) v into out and returns it; isa: 'auto', "
         "'avx512bf16', 'avx512', 'avx2' or 'scalar'.");
-  m.def("few_rows_linear", &few_rows_linear, py::arg("x"), py::arg("weight"), py::arg("out"),
-        py::arg("isa") = "auto", py::call_guard<py::gil_scoped_release>(),
-        "Writes x . weight^T into out ([rows, weight rows], x's dtype) and returns it; isa as "
-        "for slot_attention.");
+  m.def("few_rows_linear", &few_rows_linear, py::arg("x"), py::arg("packed"),
+        py::arg("num_out"), py::arg("out"), py::arg("isa") = "auto",
+        py::call_guard<py::gil_scoped_release>(),
+        "Writes x . W^T into out ([rows, num_out], x's dtype) and returns it, W packed by "
+        "cpu_native.pack_rows; isa as for slot_attention.");
   // The layer ops are a few microseconds each: they keep the GIL (releasing it costs as much).
   m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("residual"), py::arg("weight"),
         py::arg("eps"), py::arg("cast_before_weight"), py::arg("out"), py::arg("residual_out"),

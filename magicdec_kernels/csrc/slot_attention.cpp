@@ -46,10 +46,10 @@ constexpr int kMaxRows = 32;
 // Widest vector (AVX-512 floats), and the largest block of keys (two vectors).
 constexpr int kMaxWidth = 16;
 constexpr int kMaxBlock = 2 * kMaxWidth;
-// A key chunk is at least this long, so splitting a list never costs more than it saves.
-constexpr int64_t kMinChunk = 256;
-// Chunks are sized for about this many tasks per thread, for balance under ragged batches.
-constexpr int kTasksPerThread = 4;
+// Lists longer than this are split into chunks of this many keys (whole blocks), so that one long
+// request keeps every core busy. The boundaries fall at multiples of it whatever else is in the
+// batch: a row's result depends only on its own list, not on its batch or the rows beside it.
+constexpr int64_t kChunkKeys = 2048;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 using magicdec::bf16_bits;
@@ -170,7 +170,6 @@ void run_all(const torch::Tensor& q, const Pool& pool, const torch::Tensor& head
 
   // Row tiles of at most kMaxRows rows, balanced in size.
   std::vector<Task> tiles;
-  int64_t total_keys = 0;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t rows = q_len[b] * group;
     if (rows == 0) continue;
@@ -182,30 +181,24 @@ void run_all(const torch::Tensor& q, const Pool& pool, const torch::Tensor& head
         const int64_t keys =
             std::clamp<int64_t>(kv_len[b] - q_len[b] + last_token + 1, 0, kv_len[b]);
         tiles.push_back({b, h, row_begin, row_end, 0, keys, -1});
-        total_keys += keys;
       }
     }
   }
 
-  // Split long lists so that there are about kTasksPerThread tasks per thread.
-  const int64_t target = int64_t(threads) * kTasksPerThread;
-  const int64_t chunk_len = std::max(kMinChunk, (total_keys + target - 1) / target);
   std::vector<Task> tasks;
   std::vector<Split> splits;
   int64_t part_rows = 0;
   for (const Task& tile : tiles) {
-    const int64_t chunks = std::max<int64_t>(1, tile.key_end / chunk_len);
+    const int64_t chunks = std::max<int64_t>(1, (tile.key_end + kChunkKeys - 1) / kChunkKeys);
     if (chunks == 1) {
       tasks.push_back(tile);
       continue;
     }
     const int rows = tile.row_end - tile.row_begin;
     splits.push_back({tile.b, tile.h, tile.row_begin, tile.row_end, part_rows, int(chunks)});
-    // Chunk boundaries on whole blocks of keys, so only the last chunk has a partial block.
-    const int64_t step = (tile.key_end + chunks * kMaxBlock - 1) / (chunks * kMaxBlock) * kMaxBlock;
     for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t begin = std::min(c * step, tile.key_end);
-      const int64_t end = std::min(begin + step, tile.key_end);
+      const int64_t begin = c * kChunkKeys;
+      const int64_t end = std::min(begin + kChunkKeys, tile.key_end);
       tasks.push_back({tile.b, tile.h, tile.row_begin, tile.row_end, begin, end, part_rows});
       part_rows += rows;
     }

@@ -18,32 +18,24 @@ constexpr int kTileRows = Ops::kRegisters == 32 ? 12 : 6;
 constexpr int64_t kPrefetchKeys = 64;
 using V = Ops::V;
 
-// s[r, :] = q[r, :] . kt (the KB scores of row r) for NR rows.
+// s[r, :] = q[r, :] . kt (the KB scores of row r) for NR rows. One accumulator per (row, vector
+// of keys), summed over d in order whatever NR is: a row's scores do not depend on the rows that
+// share its tile (a verify row computes its token's scores exactly as a decode step would).
 template <int NR>
 inline void score_tile(const float* q, int D, const float* kt, float* s) {
-  // Few rows (decode: 2 x NR < 8 FMA chains): even and odd d in separate accumulators, for
-  // enough independent chains to hide the FMA latency, where the registers allow.
-  constexpr int NA = NR <= 3 && 2 * 2 * NR + 3 <= Ops::kRegisters ? 2 : 1;
-  V acc[NA][NR][2];
-  for (int a = 0; a < NA; ++a)
-    for (int r = 0; r < NR; ++r) acc[a][r][0] = acc[a][r][1] = Ops::zero();
-  for (int d = 0; d < D; d += NA) {
-    for (int a = 0; a < NA; ++a) {
-      const V k0 = Ops::load(kt + (d + a) * KB), k1 = Ops::load(kt + (d + a) * KB + W);
-      for (int r = 0; r < NR; ++r) {
-        const V qr = Ops::set1(q[r * D + d + a]);
-        acc[a][r][0] = Ops::fma(qr, k0, acc[a][r][0]);
-        acc[a][r][1] = Ops::fma(qr, k1, acc[a][r][1]);
-      }
+  V acc[NR][2];
+  for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = Ops::zero();
+  for (int d = 0; d < D; ++d) {
+    const V k0 = Ops::load(kt + d * KB), k1 = Ops::load(kt + d * KB + W);
+    for (int r = 0; r < NR; ++r) {
+      const V qr = Ops::set1(q[r * D + d]);
+      acc[r][0] = Ops::fma(qr, k0, acc[r][0]);
+      acc[r][1] = Ops::fma(qr, k1, acc[r][1]);
     }
   }
   for (int r = 0; r < NR; ++r) {
-    if constexpr (NA == 2) {
-      acc[0][r][0] = Ops::add(acc[0][r][0], acc[1][r][0]);
-      acc[0][r][1] = Ops::add(acc[0][r][1], acc[1][r][1]);
-    }
-    Ops::store(s + r * KB, acc[0][r][0]);
-    Ops::store(s + r * KB + W, acc[0][r][1]);
+    Ops::store(s + r * KB, acc[r][0]);
+    Ops::store(s + r * KB + W, acc[r][1]);
   }
 }
 
@@ -260,34 +252,25 @@ struct Bf16Dot {
     with_count<kTileRows - 1>(rows - r, [&](auto nr) { score_tile<nr()>(kt2, D, r, sc); });
   }
 
+  // As the float32 score_tile: one accumulator per (row, vector of keys), whatever NR is.
   template <int NR>
   static inline void score_tile(const uint32_t* kt2, int D, int r0, Scratch& sc) {
-    // Few rows (decode): even and odd pairs in separate accumulators, for enough independent
-    // chains to hide the dot product's latency.
-    constexpr int NA = NR <= 3 ? 2 : 1;
     const int pairs = D / 2;
     const uint32_t* q = reinterpret_cast<const uint32_t*>(sc.q16 + r0 * D);
-    __m512 acc[NA][NR][2];
-    for (int a = 0; a < NA; ++a)
-      for (int r = 0; r < NR; ++r) acc[a][r][0] = acc[a][r][1] = _mm512_setzero_ps();
-    for (int d2 = 0; d2 < pairs; d2 += NA) {
-      for (int a = 0; a < NA; ++a) {
-        const __m512i k0 = load_pairs(kt2 + (d2 + a) * KB), k1 = load_pairs(kt2 + (d2 + a) * KB + W);
-        for (int r = 0; r < NR; ++r) {
-          const __m512i qr = _mm512_set1_epi32(int(q[r * pairs + d2 + a]));
-          acc[a][r][0] = dot(acc[a][r][0], k0, qr);
-          acc[a][r][1] = dot(acc[a][r][1], k1, qr);
-        }
+    __m512 acc[NR][2];
+    for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int d2 = 0; d2 < pairs; ++d2) {
+      const __m512i k0 = load_pairs(kt2 + d2 * KB), k1 = load_pairs(kt2 + d2 * KB + W);
+      for (int r = 0; r < NR; ++r) {
+        const __m512i qr = _mm512_set1_epi32(int(q[r * pairs + d2]));
+        acc[r][0] = dot(acc[r][0], k0, qr);
+        acc[r][1] = dot(acc[r][1], k1, qr);
       }
     }
     const __m512 scale = _mm512_set1_ps(sc.score_scale);
     for (int r = 0; r < NR; ++r) {
-      if constexpr (NA == 2) {
-        acc[0][r][0] = _mm512_add_ps(acc[0][r][0], acc[1][r][0]);
-        acc[0][r][1] = _mm512_add_ps(acc[0][r][1], acc[1][r][1]);
-      }
-      Ops::store(sc.s + (r0 + r) * KB, _mm512_mul_ps(acc[0][r][0], scale));
-      Ops::store(sc.s + (r0 + r) * KB + W, _mm512_mul_ps(acc[0][r][1], scale));
+      Ops::store(sc.s + (r0 + r) * KB, _mm512_mul_ps(acc[r][0], scale));
+      Ops::store(sc.s + (r0 + r) * KB + W, _mm512_mul_ps(acc[r][1], scale));
     }
   }
 

@@ -59,15 +59,14 @@ struct Ops {
   static inline V load(const bf16_bits* p) {
     return widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
-  // The first n (0 <= n <= W) elements at p, zeros after them; nothing past them is read.
-  static inline V load_first(const float* p, int n) {
-    return _mm512_maskz_loadu_ps(__mmask16((1u << n) - 1), p);
-  }
-  static inline V load_first(const bf16_bits* p, int n) {
-    return widen16(_mm256_maskz_loadu_epi16(__mmask16((1u << n) - 1), p));
-  }
   static inline V widen16(__m256i half) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+  }
+  // W pairs of bf16 at p (2W elements): the first (half 0) or second (half 1) of each, widened.
+  static inline V load_pair_half(const bf16_bits* p, int half) {
+    const __m512i words = _mm512_loadu_si512(p);
+    return _mm512_castsi512_ps(half == 0 ? _mm512_slli_epi32(words, 16)
+                                         : _mm512_and_si512(words, _mm512_set1_epi32(-65536)));
   }
   static inline void store(float* p, V x) { _mm512_storeu_ps(p, x); }
   static inline V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
@@ -145,11 +144,10 @@ struct Ops {
     const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
   }
-  template <typename T>
-  static inline V load_first(const T* p, int n) {
-    T padded[W] = {};
-    std::memcpy(padded, p, sizeof(T) * size_t(n));
-    return load(padded);
+  static inline V load_pair_half(const bf16_bits* p, int half) {
+    const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm256_castsi256_ps(half == 0 ? _mm256_slli_epi32(words, 16)
+                                         : _mm256_and_si256(words, _mm256_set1_epi32(-65536)));
   }
   static inline void store(float* p, V x) { _mm256_storeu_ps(p, x); }
   static inline V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
@@ -237,10 +235,9 @@ struct Ops {
     for (int i = 0; i < W; ++i) r.x[i] = widen(p[i]);
     return r;
   }
-  template <typename T>
-  static inline V load_first(const T* p, int n) {
-    V r = zero();
-    for (int i = 0; i < n; ++i) r.x[i] = widen(p[i]);
+  static inline V load_pair_half(const bf16_bits* p, int half) {
+    V r;
+    for (int i = 0; i < W; ++i) r.x[i] = widen(p[2 * i + half]);
     return r;
   }
   static inline void store(float* p, const V& a) { std::memcpy(p, a.x, sizeof(a.x)); }

@@ -12,9 +12,12 @@ from sglang.srt.platforms.cpu import CpuDeviceMixin
 from sglang.srt.platforms.device_mixin import PlatformEnum
 from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
 
+from magicdec_kernels.loader import cpu_flags
 from sglang_magicdec.platforms import ATTENTION_BACKEND
 
 DEFAULT_MEM_FRACTION = 0.25
+# CPU flags of native bf16 products (`vdpbf16ps`, AMX tiles): there `--dtype auto` is bfloat16.
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 # SGLang's CPU ranks bind their threads to this, one '|'-separated group per rank; unset, it
 # allows one rank per NUMA node (this machine has one).
 THREADS_BIND = "SGLANG_CPU_OMP_THREADS_BIND"
@@ -38,6 +41,13 @@ def threads_bind(cores: list[int], ranks: int) -> str:
     return "|".join(groups)
 
 
+def default_dtype(flags: frozenset[str]) -> str:
+    """`--dtype auto` on our platform: bfloat16 on a CPU with native bf16 products (half the
+    bytes of float32 per step, and greedy output the bf16 model's), float32 elsewhere (where bf16
+    arithmetic is emulated and no faster)."""
+    return "bfloat16" if any(flag in flags for flag in BF16_FLAGS) else "float32"
+
+
 class MagicDecCpuPlatform(CpuDeviceMixin, SRTPlatform):
     """CPU device operations from SGLang, but out-of-tree (`OOT`), so that SGLang's
     `is_cpu()` branches, which call the AMX kernel package, are never taken."""
@@ -53,9 +63,9 @@ class MagicDecCpuPlatform(CpuDeviceMixin, SRTPlatform):
         # The scheduler busy-polls when idle; on a CPU that steals the cores from everything else.
         server_args.sleep_on_idle = True
         if server_args.dtype == "auto":
-            # SGLang's "auto" halves float32 checkpoints to float16 for GPUs; CPUs gain nothing
-            # from that here, and float32 keeps outputs exact.
-            server_args.dtype = "float32"
+            # SGLang's "auto" halves float32 checkpoints to float16 for GPUs; a CPU gains nothing
+            # from fp16, but one that multiplies bf16 natively decodes bf16 ~2x faster than fp32.
+            server_args.dtype = default_dtype(cpu_flags())
         ranks = server_args.tp_size * server_args.dp_size * server_args.pp_size
         if ranks > 1 and THREADS_BIND not in os.environ:
             # Set in the launcher, which starts the ranks: `--tp 2` needs no extra environment.
