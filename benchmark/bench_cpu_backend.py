@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from benchmark.common import best_seconds
 from sglang_magicdec.model import embedded_model_path
 from sglang_magicdec.server_process import ServerProcess, start_server
 
@@ -70,14 +71,8 @@ def _hf_rate(model_path: str, input_ids: list[int], new_tokens: int, dtype: torc
     return new_tokens / elapsed
 
 
-def _best_ms(fn, repeats: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1000
+def _best_ms(fn) -> float:
+    return best_seconds(fn) * 1000
 
 
 def kernel_timings(batch: int = 8, context: int = 8000, layers: int = 8) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -12,6 +14,17 @@ from sglang_magicdec.server_process import ServerProcess
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def best_seconds(fn: Callable[[], object], tries: int = 5) -> float:
+    """The fastest of `tries` timed calls of `fn`, after one untimed (noise only adds time)."""
+    fn()
+    best = float("inf")
+    for _ in range(tries):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def load_tokenizer():

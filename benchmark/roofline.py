@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from benchmark import round_timers
-from benchmark.common import DEFAULT_DATA, load_tokenizer, run_batch
+from benchmark.common import DEFAULT_DATA, best_seconds, load_tokenizer, run_batch
 from benchmark.suite import DTYPE_BYTES, MAGICDEC_BUDGET, load_prompts
 from sglang_magicdec.model import embedded_model_path
 from sglang_magicdec.server_process import start_server
@@ -60,25 +60,15 @@ class Machine:
         return (read_s, "bytes") if read_s >= compute_s else (compute_s, "FLOPs")
 
 
-def _best_seconds(fn, tries: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(tries):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def measure_machine() -> Machine:
     data = torch.ones(2**28)
-    bandwidth = data.numel() * 4 / _best_seconds(data.sum)
+    bandwidth = data.numel() * 4 / best_seconds(data.sum)
     del data
     peak = {}
     for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
         a = torch.randn(GEMM_SIZE, GEMM_SIZE).to(dtype)
         b = torch.randn(GEMM_SIZE, GEMM_SIZE).to(dtype)
-        peak[name] = 2 * GEMM_SIZE**3 / _best_seconds(lambda a=a, b=b: torch.mm(a, b))
+        peak[name] = 2 * GEMM_SIZE**3 / best_seconds(lambda a=a, b=b: torch.mm(a, b))
     return Machine(bandwidth, peak)
 
 

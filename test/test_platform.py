@@ -1,5 +1,7 @@
 """The CPU platform plugin activates only where it should."""
 
+import sys
+
 import pytest
 
 from sglang_magicdec import platforms
@@ -73,3 +75,34 @@ def test_dtype_auto_is_bf16_where_the_cpu_multiplies_bf16(flags, dtype):
     from sglang_magicdec.platforms.cpu import default_dtype
 
     assert default_dtype(frozenset(flags)) == dtype
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds `address` (Linux smaps)."""
+    flags, inside = None, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(part, 16) for part in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                flags = line.split()[1:]
+    assert flags is not None, "no mapping holds the address"
+    return flags
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's /proc/self/smaps")
+def test_the_kv_pool_storage_is_advised_into_huge_pages():
+    """`huge_page_zeros`, which holds every layer's K and V on the CPU: zeros, 2 MiB-aligned,
+    and a mapping the kernel has marked for transparent huge pages ("hg" in its VmFlags)."""
+    import torch
+
+    from sglang_magicdec.platforms.kv_pool import HUGE_PAGE, huge_page_zeros
+
+    numel = 3 * HUGE_PAGE // 2 + 7  # three pages and a bit, in bf16
+    zeros = huge_page_zeros(numel, torch.bfloat16)
+    assert zeros.numel() == numel and zeros.dtype == torch.bfloat16
+    assert zeros.data_ptr() % HUGE_PAGE == 0
+    assert not zeros.any()
+    assert "hg" in _vm_flags(zeros.data_ptr())
