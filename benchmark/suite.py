@@ -97,10 +97,12 @@ def measure_against_ar(
             }
             (ar, _), (spec, results) = measured["ar"], measured[mode]
             turns[batch].append((ar, spec))
-            if mode != "auto":  # with γ = auto, rounds of different γ make α ill-defined
+            if not is_auto(mode):  # with γ = auto, rounds of different γ make α ill-defined
                 alphas[batch].append(alpha_of(results, magicdec_info(servers[mode].url)["gamma"]))
             progress.update()
     points = []
+    # Over the server's life so far (warm-up included): committed tokens per verified row.
+    per_row = magicdec_info(servers[mode].url).get("accepted_per_verified_row")
     for batch in batches:
         decision = full_batch_decision(servers[mode].url, batch, context, new_tokens)
         points.append(
@@ -118,6 +120,7 @@ def measure_against_ar(
                 "decode_ms": decision.get("decode_ms"),
                 "draft_ms": decision.get("draft_ms"),
                 "round_ms": decision.get("round_ms", {}),  # per γ
+                "accepted_per_verified_row": per_row,
             }
         )
     return points
@@ -142,20 +145,27 @@ def measure_server(url: str, prompts_by_context, batches, new_tokens, repeats) -
 def throughput_table(points: list[dict]) -> str:
     lines = [
         "| mode | context | batch | AR tok/s | MagicDec tok/s | speedup (median of turns) "
-        "| α | auto γ | auto predicted |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| α | auto γ | auto predicted | tokens per verified row |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for point in points:
-        auto = point["mode"] == "auto"
+        auto = is_auto(point["mode"])
         alpha, predicted = point["alpha"], point["predicted_speedup"]
+        per_row = point.get("accepted_per_verified_row")
         lines.append(
             f"| {point['mode']} | {point['context']} | {point['batch']} "
             f"| {point['ar_tokens_per_s']:.1f} | {point['tokens_per_s']:.1f} "
             f"| {point['speedup']:.2f}x | {'-' if alpha is None else f'{alpha:.3f}'} "
             f"| {point['gamma'] if auto else '-'} "
-            f"| {f'{predicted:.2f}x' if auto and predicted else '-'} |"
+            f"| {f'{predicted:.2f}x' if auto and predicted else '-'} "
+            f"| {'-' if per_row is None else f'{per_row:.3f}'} |"
         )
     return "\n".join(lines)
+
+
+def is_auto(mode: str) -> bool:
+    """γ = auto, whatever its draft stop ("auto", "auto, draft stop 0")."""
+    return mode.startswith("auto")
 
 
 def read_bandwidth() -> float:
@@ -205,7 +215,7 @@ def step_cost_table(
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for point in points:
-        if point["mode"] != "auto" or point["decode_ms"] is None:
+        if not is_auto(point["mode"]) or point["decode_ms"] is None:
             continue
         batch, context = point["batch"], point["context"]
         plain_floor = (weights + batch * (context + new_tokens / 2) * kv_per_token) / bandwidth
@@ -232,13 +242,13 @@ def auto_vs_fixed(points: list[dict]) -> str:
     best: dict[tuple[int, int], dict] = {}
     for p in points:
         key = (p["context"], p["batch"])
-        if p["mode"] != "auto" and (key not in best or p["speedup"] > best[key]["speedup"]):
+        if not is_auto(p["mode"]) and (key not in best or p["speedup"] > best[key]["speedup"]):
             best[key] = p
     pairs = [
-        f"{p['context']}×{p['batch']}: {p['speedup'] / best[key]['speedup']:.2f} "
+        f"{p['mode']} at {p['context']}×{p['batch']}: {p['speedup'] / best[key]['speedup']:.2f} "
         f"(best fixed: {best[key]['mode']})"
         for p in points
-        if p["mode"] == "auto" and (key := (p["context"], p["batch"])) in best
+        if is_auto(p["mode"]) and (key := (p["context"], p["batch"])) in best
     ]
     return "γ = auto / best fixed γ speedup: " + ", ".join(pairs)
 
@@ -259,6 +269,12 @@ def main() -> None:
     parser.add_argument("--gamma", type=int, default=3, help="fixed γ, and γ = auto's largest")
     parser.add_argument(
         "--fixed-gammas", type=int, nargs="+", help="fixed γ values to measure (default: --gamma)"
+    )
+    parser.add_argument(
+        "--draft-stops",
+        nargs="+",
+        help="γ = auto also with each of these --magicdec-draft-stop values (e.g. 0: never "
+        "stop; the 'auto' mode uses the cost model's threshold)",
     )
     parser.add_argument("--base-url", help="measure this running server's throughput only")
     parser.add_argument("--skip-acceptance", action="store_true")
@@ -290,6 +306,8 @@ def main() -> None:
     }
     auto_max = [*SPECULATIVE, "--speculative-num-steps", str(args.gamma)]
     modes["auto"] = [*auto_max, "--magicdec-gamma", "auto"]
+    for stop in args.draft_stops or []:
+        modes[f"auto, draft stop {stop}"] = [*modes["auto"], "--magicdec-draft-stop", stop]
     progress = tqdm(
         total=len(modes) * len(contexts) * len(batches) * args.repeats, desc="throughput", unit="pt"
     )
@@ -361,7 +379,7 @@ def main() -> None:
     save_plot(
         args.out / "throughput.png", series, "batch size", "MagicDec / AR tokens/s", log_x=True
     )
-    auto = [p for p in points if p["mode"] == "auto"]
+    auto = [p for p in points if is_auto(p["mode"])]
     predicted = [p["predicted_speedup"] or 1.0 for p in auto]
     measured = [p["speedup"] for p in auto]
     save_plot(

@@ -131,7 +131,8 @@ class IndexAttnBackend(AttentionBackend):
             q_lens = [1] * batch
             prefix_lens = [s - 1 for s in seq_lens]
         elif mode.is_target_verify():
-            q_lens = [forward_batch.spec_info.draft_token_num] * batch
+            spec_info = forward_batch.spec_info
+            q_lens = spec_info.widths or [spec_info.draft_token_num] * batch
             prefix_lens = seq_lens
         else:
             q_lens = list(forward_batch.extend_seq_lens_cpu)

@@ -19,6 +19,13 @@ GROUP_DESCRIPTION = (
 )
 
 
+def _as_float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return -1.0  # not a number: out of range
+
+
 @dataclass(frozen=True)
 class MagicDecConfig:
     """Every MagicDec knob.
@@ -35,6 +42,12 @@ class MagicDecConfig:
                  whose prompts extend it (a shared document, system prompt, earlier turns)
     gamma        "auto": the cost model picks γ ∈ {0..--speculative-num-steps} per batch;
                  a number N is --speculative-num-steps N; None: fixed γ from SGLang's flag
+    draft_stop   per request: a request stops drafting within a round once the product of its
+                 draft's probabilities of its proposed tokens falls below this threshold, and
+                 the verify carries only the tokens it drafted (our CPU backends; on GPU every
+                 request drafts γ; the round ends when every request has stopped). "auto"
+                 (default): the threshold the cost model derives under --magicdec-gamma auto,
+                 none under a fixed γ; a number in [0, 1): that threshold; 0 never stops
     min_context  below this many committed tokens the draft reads the whole context, i.e. the
                  request is decoded plainly (its draft is the target itself); None = budget
     debug        check every draft selection against the request's live KV slots (tests)
@@ -48,6 +61,7 @@ class MagicDecConfig:
     pool_kernel: int = 5
     share_min_len: int = 1024
     gamma: str | None = None
+    draft_stop: str = "auto"
     min_context: int | None = None
     debug: bool = False
 
@@ -70,6 +84,11 @@ class MagicDecConfig:
                 raise ValueError(
                     f"--magicdec-gamma must be 'auto' or an integer >= 1, got {self.gamma!r}"
                 )
+        if self.draft_stop != "auto" and not 0.0 <= _as_float(self.draft_stop) < 1.0:
+            raise ValueError(
+                f"--magicdec-draft-stop must be 'auto' or a number in [0, 1), got "
+                f"{self.draft_stop!r}"
+            )
         if self.min_context is not None and self.min_context < 0:
             raise ValueError(f"--magicdec-min-context must be >= 0, got {self.min_context}")
 
@@ -89,6 +108,11 @@ class MagicDecConfig:
                 f"--magicdec-share-min-len must be >= --magicdec-obs-window ({self.obs_window}), "
                 f"got {self.share_min_len}"
             )
+
+    @property
+    def draft_stop_threshold(self) -> float | None:
+        """The fixed per-request draft-stop threshold, or None for "auto"."""
+        return None if self.draft_stop == "auto" else float(self.draft_stop)
 
     @property
     def dense_below(self) -> int:
@@ -146,6 +170,15 @@ _FLAGS = {
             help="'auto': a calibrated cost model picks γ per batch, up to "
             "--speculative-num-steps (0 = plain decode when speculation does not pay); "
             "N: the same as --speculative-num-steps N (default: fixed γ)",
+        ),
+    ),
+    "draft_stop": (
+        "--magicdec-draft-stop",
+        dict(
+            help="a request stops drafting within a round when the product of its draft's "
+            "probabilities of its proposed tokens falls below this (CPU): 'auto' = the cost "
+            "model's threshold under --magicdec-gamma auto, none under a fixed γ; or a number "
+            "in [0, 1) (default: auto)",
         ),
     ),
     "min_context": (

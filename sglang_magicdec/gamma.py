@@ -33,8 +33,16 @@ class RoundClock:
 
 
 class GammaController(radix_events.RadixCacheListener):
-    def __init__(self, gamma_max: int, auto: bool, tp_group, on_cuda: bool):
+    def __init__(
+        self,
+        gamma_max: int,
+        auto: bool,
+        tp_group,
+        on_cuda: bool,
+        draft_stop: float | None = None,
+    ):
         self.gamma_max = gamma_max
+        self.fixed_draft_stop = draft_stop  # None: the cost model's threshold (or none)
         self.cost_model = CostModel(gamma_max=gamma_max) if auto else None
         self.tp_group = tp_group
         self.on_cuda = on_cuda
@@ -62,6 +70,19 @@ class GammaController(radix_events.RadixCacheListener):
             )
         return decision.gamma
 
+    def draft_stop(self, batch: ScheduleBatch, gamma: int) -> float:
+        """The confidence below which a request of this round stops drafting (0: never).
+        Decided by the first TP rank where the cost model decides it, like γ."""
+        if self.fixed_draft_stop is not None:
+            return self.fixed_draft_stop
+        if self.cost_model is None:
+            return 0.0
+        rids = [req.rid for req in batch.reqs]
+        threshold = self.cost_model.draft_stop_threshold(rids, mean_committed(batch), gamma)
+        if self.tp_group.world_size > 1:
+            threshold = float(first_rank_values(self.tp_group, torch.tensor([threshold])))
+        return threshold
+
     # -- timing: only under γ = auto, which decides on it --------------------------------------
 
     def start(self, batch: ScheduleBatch) -> RoundClock | None:
@@ -75,14 +96,21 @@ class GammaController(radix_events.RadixCacheListener):
             clock.drafted = self._now()
 
     def record_round(
-        self, clock: RoundClock | None, gamma: int, rids: list[str], accept_lens: torch.Tensor
+        self,
+        clock: RoundClock | None,
+        gamma: int,
+        rids: list[str],
+        accept_lens: torch.Tensor,
+        draft_lens: list[int] | None = None,
     ) -> None:
+        """A round of `gamma` draft steps (fewer than chosen where every request stopped
+        drafting early) whose requests verified `draft_lens` drafts each (γ where not given)."""
         if clock is None:
             return
         round_seconds = self._now() - clock.started
         draft_seconds = (clock.drafted - clock.started) / gamma
         self.cost_model.record_round(clock.bucket, gamma, draft_seconds, round_seconds)
-        self.cost_model.record_acceptance(rids, accept_lens.tolist(), gamma)
+        self.cost_model.record_acceptance(rids, accept_lens.tolist(), gamma, draft_lens)
 
     def record_decode(self, clock: RoundClock | None) -> None:
         if clock is not None:

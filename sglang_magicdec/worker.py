@@ -7,8 +7,12 @@ KV not computed yet), once the draft's slots of the whole batch are resolved int
 1. draft: γ DECODE forwards of the target model itself, whose attention reads only the request's
    draft slots (the draft policy's selection of committed positions, plus this round's tokens),
    writing draft KV into the round's reserved slots S..S+γ-1;
+   A request stops drafting early where its draft's own confidence (the product of the draft's
+   probabilities of the tokens it proposed) falls below `--magicdec-draft-stop`'s threshold,
+   and the round's drafting ends when every request has stopped;
 2. verify: one TARGET_VERIFY forward over [x0, d1..dγ] at positions S..S+γ with full attention,
-   which overwrites those slots with exact KV;
+   which overwrites those slots with exact KV (on our CPU backend, only the tokens each request
+   drafted: a ragged verify);
 3. accept: the longest prefix of drafts the target agrees with, plus the target's next token;
 4. commit: S += accepted + 1. Rejected slots stay reserved for the next round; the scheduler
    trims outputs at EOS, stop strings and max_new_tokens inside the accepted run.
@@ -34,6 +38,7 @@ from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 
 from sglang_magicdec.acceptance import AcceptanceStats, SeededRows, acceptor_for
+from sglang_magicdec.attention import IndexAttnBackend
 from sglang_magicdec.config import MagicDecConfig
 from sglang_magicdec.debug_checks import check_ranks_agree, check_selection
 from sglang_magicdec.drafts.selection import make_selection
@@ -96,7 +101,11 @@ class MagicDecWorker(BaseSpecWorker):
         # on identical seeds rather than syncing its tokens).
         self.tp_group = get_parallel().tp_group
         self.gamma_control = GammaController(
-            self.gamma, self.config.gamma == "auto", self.tp_group, self._on_cuda
+            self.gamma,
+            self.config.gamma == "auto",
+            self.tp_group,
+            self._on_cuda,
+            self.config.draft_stop_threshold,
         )
         self.latest_gamma = 0  # of the latest decode batch (0: decoded without drafts)
         self.metrics: MagicDecMetrics | None = None  # created at the first publish
@@ -115,6 +124,7 @@ class MagicDecWorker(BaseSpecWorker):
             "budget": self.config.budget,
             "sinks": self.config.sinks,
             "gamma": self.gamma,
+            "draft_stop": self.config.draft_stop_threshold,  # None: "auto"
             **self.stats.summary(),
             **self.gamma_control.info(),
             **self.draft.info(),
@@ -190,24 +200,74 @@ class MagicDecWorker(BaseSpecWorker):
         round_slots = self._round_slots(batch, committed.device, gamma + 1)
         draft_round = self._draft_round(batch, committed, round_slots)
         acceptor = acceptor_for(batch, gamma, committed.device, self.rng, self.device)
+        stop = self._draft_stop(batch, gamma)
         tokens = self._last_tokens(batch)
-        for step in range(gamma):
-            logits = self._draft_step(batch, committed, step, tokens, draft_round, round_slots)
-            tokens = torch.cat([tokens, acceptor.propose(logits, step)[:, None]], dim=1)
+        confidence = torch.ones(len(batch.reqs), device=tokens.device)
+        draft_lens = torch.zeros(len(batch.reqs), dtype=torch.int64, device=tokens.device)
+        steps = 0
+        while steps < gamma:
+            logits = self._draft_step(batch, committed, steps, tokens, draft_round, round_slots)
+            proposed = acceptor.propose(logits, steps)
+            tokens = torch.cat([tokens, proposed[:, None]], dim=1)
+            steps += 1
+            if stop > 0.0:
+                confidence *= acceptor.proposal_probs(logits, proposed)
+                drafting = confidence >= stop  # a prefix of the steps: confidence only falls
+                draft_lens += drafting
+                if not drafting.any():
+                    break
         self.gamma_control.drafted(clock)
-        verify = self._verify(batch, committed, tokens, round_slots)
-        target, accept_lens = acceptor.accept(tokens, verify.logits_output.next_token_logits)
-        return self._commit(batch, verify, target, accept_lens, clock, on_publish)
+        if stop > 0.0:
+            # Where each request stopped was decided by the draft alone: the verified chain is
+            # its first draft_lens drafts, and nothing past the longest is verified.
+            tokens = tokens[:, : int(draft_lens.max()) + 1]
+            widths = (draft_lens + 1).tolist()
+        else:
+            draft_lens, widths = None, None
+        verify = self._verify(batch, committed, tokens, round_slots, widths)
+        target, accept_lens = acceptor.accept(
+            tokens, verify.logits_output.next_token_logits, draft_lens
+        )
+        rows = sum(widths) if widths is not None else tokens.numel()
+        return self._commit(
+            batch, verify, target, accept_lens, draft_lens, rows, steps, clock, on_publish
+        )
+
+    def _draft_stop(self, batch: ScheduleBatch, gamma: int) -> float:
+        """The confidence threshold of this round's drafts (0: every request drafts γ).
+
+        Requests stop early only where the verify can carry each one's own chain: on our CPU
+        backends (one backend serves every mode unless SGLang built a hybrid or a two-batch
+        overlap wrapper, which are not ours); SGLang's GPU backends read one width. A batch
+        that returns logprobs keeps whole chains: SGLang reads their rows at one stride."""
+        if batch.return_logprob or not isinstance(self.model_runner.attn_backend, IndexAttnBackend):
+            return 0.0
+        return self.gamma_control.draft_stop(batch, gamma)
 
     def _commit(
-        self, batch, verify, target, accept_lens, clock: RoundClock | None, on_publish
+        self,
+        batch,
+        verify,
+        target,
+        accept_lens,
+        draft_lens,
+        verified_rows: int,
+        draft_steps: int,
+        clock: RoundClock | None,
+        on_publish,
     ) -> GenerationBatchResult:
-        """Request b commits target[b, :accept_lens[b]]: counted, timed, and handed back."""
+        """Request b commits target[b, :accept_lens[b]] of its draft_lens[b] verified drafts
+        (all of the round's where None), after `draft_steps` draft steps (fewer than γ where
+        every request stopped early) and a verify of `verified_rows` token rows: counted,
+        timed (as a round of `draft_steps`), and handed back."""
         gamma = target.shape[1] - 1
         if self.config.debug and self.tp_group.world_size > 1:
             check_ranks_agree(self.tp_group, target, accept_lens)
-        self.stats.record(accept_lens, gamma)
-        self.gamma_control.record_round(clock, gamma, [req.rid for req in batch.reqs], accept_lens)
+        lens = None if draft_lens is None else draft_lens.tolist()
+        drafted = gamma * len(batch.reqs) if lens is None else sum(lens)
+        self.stats.record(accept_lens, drafted, verified_rows)
+        rids = [req.rid for req in batch.reqs]
+        self.gamma_control.record_round(clock, draft_steps, rids, accept_lens, lens)
         if batch.return_logprob:
             # Verify row b·(γ+1)+j is the target's distribution of target[b, j].
             compute_spec_logprobs(
@@ -274,18 +334,36 @@ class MagicDecWorker(BaseSpecWorker):
         result = self.target_worker.forward_batch_generation(batch, is_verify=True)
         return result.logits_output.next_token_logits
 
-    def _verify(self, batch, committed, tokens, round_slots) -> GenerationBatchResult:
-        """TARGET_VERIFY over [x0, d1..dγ] at S..S+γ, full attention, exact KV into the slots."""
+    def _verify(
+        self, batch, committed, tokens, round_slots, widths: list[int] | None = None
+    ) -> GenerationBatchResult:
+        """TARGET_VERIFY over [x0, d1..dγ] at S..S+γ, full attention, exact KV into the slots;
+        with `widths`, request b's first widths[b] tokens only (its logits rows then padded
+        back to [B·(γ+1)], the rows past a request's chain repeating its last)."""
         width = tokens.shape[1]
         offsets = torch.arange(width, dtype=torch.int64, device=self.device)
+        positions = committed.device[:, None] + offsets
+        slots = round_slots[:, :width]
         batch.forward_mode = ForwardMode.TARGET_VERIFY
-        batch.input_ids = tokens.reshape(-1).contiguous()
-        batch.out_cache_loc = round_slots[:, :width].reshape(-1).contiguous()
         self._set_lens(batch, committed, 0)
+        if widths is None:
+            batch.input_ids = tokens.reshape(-1).contiguous()
+            batch.out_cache_loc = slots.reshape(-1).contiguous()
+            batch.spec_info = MagicDecInput(draft_token_num=width, positions=positions.reshape(-1))
+            return self.target_worker.forward_batch_generation(batch, is_verify=True)
+        chain_lens = torch.tensor(widths, dtype=torch.int64, device=self.device)
+        verified = (offsets[None, :] < chain_lens[:, None]).reshape(-1)
+        batch.input_ids = tokens.reshape(-1)[verified]
+        batch.out_cache_loc = slots.reshape(-1)[verified]
         batch.spec_info = MagicDecInput(
-            draft_token_num=width, positions=(committed.device[:, None] + offsets).reshape(-1)
+            draft_token_num=width, positions=positions.reshape(-1)[verified], widths=widths
         )
-        return self.target_worker.forward_batch_generation(batch, is_verify=True)
+        result = self.target_worker.forward_batch_generation(batch, is_verify=True)
+        starts = chain_lens.cumsum(0) - chain_lens
+        rows = starts[:, None] + torch.minimum(offsets[None, :], chain_lens[:, None] - 1)
+        output = result.logits_output
+        output.next_token_logits = output.next_token_logits[rows.reshape(-1)]
+        return result
 
     # -- γ per batch ---------------------------------------------------------------------------
 

@@ -2,8 +2,10 @@
 state): the tiny model in SGLang's ModelRunner on our CPU platform, a ragged batch prefilled,
 then decode steps, and after every second one a MagicDec round built as `worker.py` builds it:
 γ draft DECODE steps over per-layer, per-KV-head slot lists (a strict subset of each request's
-committed slots, then the round's own), and the TARGET_VERIFY of the γ + 1 tokens. Each forward
-runs twice on the same batch: through our decode forward and through SGLang's own layers.
+committed slots, then the round's own), the TARGET_VERIFY of the γ + 1 tokens, and a ragged
+TARGET_VERIFY of the first 1..γ+1 of them per request (requests that stopped drafting early).
+Each forward runs twice on the same batch: through our decode forward and through SGLang's own
+layers; and each ragged verify row is compared with the same token's row of the full verify.
 Prints one JSON line: per kind of forward, for each one whether the logits are identical and how
 many times our decode forward ran in SGLang's path and in ours; and whether SGLang's ForwardBatch
 took the positions MagicDec handed it.
@@ -72,8 +74,9 @@ def main(model_path: str, dtype: str) -> None:
         next_ids, _, batch = one_batch.extend(reqs, runner)
         model = runner.model.model
         plan = decode_forward.plan_of(model)
-        forwards = {"decode": [], "draft": [], "verify": []}
+        forwards = {"decode": [], "draft": [], "verify": [], "ragged_verify": []}
         positions_taken = []
+        ragged_rows_equal = []
 
         def both_paths(kind: str, positions=None) -> torch.Tensor:
             """The batch's forward through SGLang's layers and through ours; our logits."""
@@ -163,7 +166,21 @@ def main(model_path: str, dtype: str) -> None:
                 set_lens(committed, 0)
                 verify_positions = (committed[:, None] + offsets).reshape(-1)
                 batch.spec_info = MagicDecInput(draft_token_num=width, positions=verify_positions)
-                both_paths("verify", verify_positions)
+                full = both_paths("verify", verify_positions).view(len(batch.reqs), width, -1)
+                # as `MagicDecWorker._verify` with widths: request b's first widths[b] tokens
+                widths = [1 + (b + len(forwards["ragged_verify"])) % width for b in range(3)]
+                chain_lens = torch.tensor(widths)
+                verified = (offsets[None, :] < chain_lens[:, None]).reshape(-1)
+                batch.input_ids = tokens.reshape(-1)[verified]
+                batch.out_cache_loc = round_slots[:, :width].reshape(-1)[verified]
+                batch.spec_info = MagicDecInput(
+                    draft_token_num=width,
+                    positions=verify_positions[verified],
+                    widths=widths,
+                )
+                ragged = both_paths("ragged_verify", verify_positions[verified])
+                expected = torch.cat([full[b, :w] for b, w in enumerate(widths)])
+                ragged_rows_equal.append(torch.equal(ragged, expected))
             finally:
                 req_to_token[rows, columns] = old_row_entries
                 allocator.free(slots)
@@ -180,6 +197,7 @@ def main(model_path: str, dtype: str) -> None:
             "planned": plan is not None,
             "forwards": forwards,
             "positions_taken": positions_taken,
+            "ragged_rows_equal": ragged_rows_equal,
         }
         print("RESULT " + json.dumps(result), flush=True)
 

@@ -16,7 +16,12 @@ from sglang_magicdec.acceptance import (
     acceptor_for,
 )
 from sglang_magicdec.gamma import GammaController
-from sglang_magicdec.sampling import greedy_accept, seeded_sample
+from sglang_magicdec.sampling import (
+    chain_rejection_sample,
+    greedy_accept,
+    sampling_probs,
+    seeded_sample,
+)
 
 VOCAB = 11
 TOP_K_ALL = 1 << 30  # SGLang's top-k of a request that sets none
@@ -156,3 +161,31 @@ def test_auto_gamma_decides_from_the_rounds_it_timed(round_seconds, expected_gam
     assert info["gamma_mode"] == "auto"
     (bucket,) = info["gamma_by_bucket"].values()
     assert bucket["model_gamma"] == expected_gamma
+
+
+def test_a_round_cut_short_tests_its_chain_with_uniforms_no_draft_was_drawn_with():
+    """Every request stopped after 1 of 3 planned drafts (the draft's own draws decided that),
+    so the round verifies chains of one draft: the acceptance test and the bonus draw use the
+    uniforms set apart for them (columns γ.. of the planned γ = 3), never the draft's (0..2)."""
+    batch = make_batch([None, None], [TOP_K_ALL, TOP_K_ALL], [10, 20])
+    acceptor = acceptor_for(batch, 3, batch.seq_lens, torch.Generator().manual_seed(0), "cpu")
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.zeros(2, 1, dtype=torch.int64)
+    for step in range(2):  # the second draft was drawn, then every request had stopped
+        logits = torch.randn(2, VOCAB, generator=generator)
+        tokens = torch.cat([tokens, acceptor.propose(logits, step)[:, None]], dim=1)
+    chain = tokens[:, :2]
+    draft_lens = torch.tensor([1, 1])
+    target_logits = torch.randn(4, VOCAB, generator=generator)
+    target, accept_lens = acceptor.accept(chain, target_logits, draft_lens)
+    target_probs = sampling_probs(target_logits, acceptor.temperatures.repeat_interleave(2), None)
+    expected = chain_rejection_sample(
+        chain[:, 1:],
+        acceptor.draft_probs[0][:, None],
+        target_probs.view(2, 2, -1),
+        acceptor.uniforms[:, 3:4],
+        acceptor.uniforms[:, 6],
+        draft_lens,
+    )
+    assert torch.equal(target, expected[0]) and torch.equal(accept_lens, expected[1])
+    assert (accept_lens <= 2).all()

@@ -24,7 +24,9 @@ REPO = Path(__file__).resolve().parents[1]
 def test_logits_are_identical_to_sglangs_layers(tiny_llama, dtype):
     """A ragged batch's decode steps, and after every second one a MagicDec round as the worker
     builds it (γ = 3 draft DECODE steps over per-layer, per-KV-head slot lists, then the
-    TARGET_VERIFY of the 4 tokens): each forward run through both paths on the same batch."""
+    TARGET_VERIFY of the 4 tokens, and a ragged one of each request's first 1-4): each forward
+    run through both paths on the same batch. A ragged verify row is, bit for bit, the full
+    verify's row of its token (our kernels' rows do not depend on the rows beside them)."""
     run = subprocess.run(
         [sys.executable, "-m", "test.decode_forward_check", str(tiny_llama), dtype],
         cwd=REPO,
@@ -37,17 +39,19 @@ def test_logits_are_identical_to_sglangs_layers(tiny_llama, dtype):
     result = json.loads(lines[-1].removeprefix("RESULT "))
     assert result["planned"], "the tiny Llama model should run our decode forward"
     forwards = result["forwards"]
-    # 4 decode steps; 2 rounds of 3 draft steps and a verify each.
+    # 4 decode steps; 2 rounds of 3 draft steps, a verify and a ragged verify each.
     assert {kind: len(runs) for kind, runs in forwards.items()} == {
         "decode": 4,
         "draft": 6,
         "verify": 2,
+        "ragged_verify": 2,
     }
     for kind, runs in forwards.items():
         # [identical logits, our forward's runs in SGLang's path, in ours]
         assert runs == [[True, 0, 1]] * len(runs), kind
     # Draft and verify forwards take their positions from MagicDecInput, in both paths.
-    assert result["positions_taken"] == [True] * 16
+    assert result["positions_taken"] == [True] * 20
+    assert result["ragged_rows_equal"] == [True, True]
 
 
 def _forward_batch(mode: str):
