@@ -273,8 +273,8 @@ def main() -> None:
     parser.add_argument(
         "--draft-stops",
         nargs="+",
-        help="γ = auto also with each of these --magicdec-draft-stop values (e.g. 0: never "
-        "stop; the 'auto' mode uses the cost model's threshold)",
+        help="γ = auto also with each of these --magicdec-draft-stop values (e.g. auto: the "
+        "cost model's threshold; the 'auto' mode runs the default, 0: never stop)",
     )
     parser.add_argument("--base-url", help="measure this running server's throughput only")
     parser.add_argument("--skip-acceptance", action="store_true")

@@ -45,9 +45,10 @@ class MagicDecConfig:
     draft_stop   per request: a request stops drafting within a round once the product of its
                  draft's probabilities of its proposed tokens falls below this threshold, and
                  the verify carries only the tokens it drafted (our CPU backends; on GPU every
-                 request drafts γ; the round ends when every request has stopped). "auto"
-                 (default): the threshold the cost model derives under --magicdec-gamma auto,
-                 none under a fixed γ; a number in [0, 1): that threshold; 0 never stops
+                 request drafts γ; the round ends when every request has stopped). "auto": the
+                 threshold the cost model derives under --magicdec-gamma auto, none under a
+                 fixed γ; a number in [0, 1): that threshold; 0 (default) never stops: at batch
+                 8 x 7,936 in bf16, auto measured 0.97x AR where never stopping made 1.11x
     min_context  below this many committed tokens the draft reads the whole context, i.e. the
                  request is decoded plainly (its draft is the target itself); None = budget
     debug        check every draft selection against the request's live KV slots (tests)
@@ -61,7 +62,7 @@ class MagicDecConfig:
     pool_kernel: int = 5
     share_min_len: int = 1024
     gamma: str | None = None
-    draft_stop: str = "auto"
+    draft_stop: str = "0"
     min_context: int | None = None
     debug: bool = False
 
@@ -178,7 +179,7 @@ _FLAGS = {
             help="a request stops drafting within a round when the product of its draft's "
             "probabilities of its proposed tokens falls below this (CPU): 'auto' = the cost "
             "model's threshold under --magicdec-gamma auto, none under a fixed γ; or a number "
-            "in [0, 1) (default: auto)",
+            "in [0, 1) (default: 0, never stop)",
         ),
     ),
     "min_context": (

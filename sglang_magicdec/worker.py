@@ -124,7 +124,7 @@ class MagicDecWorker(BaseSpecWorker):
             "budget": self.config.budget,
             "sinks": self.config.sinks,
             "gamma": self.gamma,
-            "draft_stop": self.config.draft_stop_threshold,  # None: "auto"
+            "draft_stop": self.config.draft_stop,
             **self.stats.summary(),
             **self.gamma_control.info(),
             **self.draft.info(),

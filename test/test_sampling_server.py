@@ -52,7 +52,7 @@ def test_sglang_launcher_carries_magicdec_flags(sampler):
     server arguments: the worker reports the values given, not the defaults (512 and 16)."""
     info = sampler.server_info()["internal_states"][0]["magicdec"]
     assert (info["draft"], info["budget"], info["sinks"], info["gamma"]) == ("streaming", 32, 4, 3)
-    assert info["draft_stop"] == float(DRAFT_STOP)
+    assert info["draft_stop"] == DRAFT_STOP
 
 
 @pytest.fixture(scope="module")
