@@ -140,8 +140,8 @@ class SampledAcceptor:
             # Seeded drafts are kept while they equal the target's seeded draw at their position.
             coupled = self.seeded.sample(target_probs, self.committed)
             target = self.seeded.replace(target, coupled)
-            seeded_tokens = tokens.index_select(0, self.seeded.index)
             index = self.seeded.index
+            seeded_tokens = tokens.index_select(0, index)
             seeded_lens = None if draft_lens is None else draft_lens.index_select(0, index)
             accept_lens = self.seeded.replace(
                 accept_lens, greedy_accept(seeded_tokens, coupled, seeded_lens)

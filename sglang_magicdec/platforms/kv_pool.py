@@ -76,14 +76,14 @@ class TorchMoveMHAPool(MHATokenToKVPool):
         if self.kv_cache_layout != "nhd":
             return super()._create_buffers_normal()
         rows = self.size + self.page_size
-        k_numel, v_numel = (self.head_num * rows * dim for dim in (self.head_dim, self.v_head_dim))
+        k_numel, v_numel = (
+            self.layer_num * self.head_num * rows * dim for dim in (self.head_dim, self.v_head_dim)
+        )
         if torch.device(self.device).type == "cpu":
-            storage = huge_page_zeros(self.layer_num * (k_numel + v_numel), self.store_dtype)
+            storage = huge_page_zeros(k_numel + v_numel, self.store_dtype)
         else:
-            storage = torch.zeros(
-                self.layer_num * (k_numel + v_numel), dtype=self.store_dtype, device=self.device
-            )
-        k_part, v_part = storage.split([self.layer_num * k_numel, self.layer_num * v_numel])
+            storage = torch.zeros(k_numel + v_numel, dtype=self.store_dtype, device=self.device)
+        k_part, v_part = storage.split([k_numel, v_numel])
 
         def head_major(part: torch.Tensor, head_dim: int) -> list[torch.Tensor]:
             # [rows, Hkv, D] views of [Hkv, rows, D] storage: strides (D, rows * D, 1).
