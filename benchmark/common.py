@@ -30,9 +30,9 @@ def best_seconds(fn: Callable[[], object], tries: int = 5) -> float:
 def load_tokenizer():
     from transformers import AutoTokenizer
 
-    from sglang_magicdec.model import embedded_model_path
+    from sglang_magicdec.model import SMOLLM2, embedded_model_path
 
-    return AutoTokenizer.from_pretrained(embedded_model_path())
+    return AutoTokenizer.from_pretrained(embedded_model_path(SMOLLM2))
 
 
 def run_batch(server: ServerProcess, prompts: list[list[int]], new_tokens: int) -> list[dict]:

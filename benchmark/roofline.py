@@ -42,7 +42,7 @@ import torch
 from benchmark import round_timers
 from benchmark.common import DEFAULT_DATA, best_seconds, load_tokenizer, run_batch
 from benchmark.suite import DTYPE_BYTES, MAGICDEC_BUDGET, load_prompts
-from sglang_magicdec.model import embedded_model_path
+from sglang_magicdec.model import SMOLLM2, embedded_model_path
 from sglang_magicdec.server_process import start_server
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -86,7 +86,7 @@ class Model:
     def embedded(cls) -> Model:
         from safetensors import safe_open
 
-        folder = Path(embedded_model_path())
+        folder = Path(embedded_model_path(SMOLLM2))
         config = json.loads((folder / "config.json").read_text())
         params = 0
         for path in folder.glob("*.safetensors"):

@@ -186,10 +186,10 @@ def model_bytes(dtype: str) -> tuple[int, int]:
     `dtype`."""
     from safetensors import safe_open
 
-    from sglang_magicdec.model import embedded_model_path
+    from sglang_magicdec.model import SMOLLM2, embedded_model_path
 
     element = DTYPE_BYTES[dtype]
-    folder = Path(embedded_model_path())
+    folder = Path(embedded_model_path(SMOLLM2))
     config = json.loads((folder / "config.json").read_text())
     params = 0
     for path in folder.glob("*.safetensors"):

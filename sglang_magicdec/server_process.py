@@ -67,9 +67,14 @@ def start_server(
     timeout_s: float = 300,
     env: dict[str, str] | None = None,
     launch: list[str] = LAUNCH,
+    model: str = "smollm2-135m-instruct",
 ) -> ServerProcess:
     """Launch `launch` on a free loopback port (with `env` added to this process's
-    environment); raises RuntimeError with the log tail if it fails."""
+    environment) serving `model` where `args` name none: the small embedded model by default,
+    which is what the tests and benchmarks run unless their claim needs another. Raises
+    RuntimeError with the log tail if it fails."""
+    if "--model-path" not in args:
+        args = ["--model-path", model, *args]
     port = free_port()
     log_path = Path(log_dir) / f"server-{port}.log"
     with log_path.open("w") as log:

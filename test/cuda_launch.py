@@ -87,9 +87,9 @@ def resolve(case: dict) -> dict:
     from sglang.srt.arg_groups.overrides import resolving_view
     from sglang.srt.server_args import ServerArgs
 
-    from sglang_magicdec.model import embedded_model_path
+    from sglang_magicdec.model import SMOLLM2, embedded_model_path
 
-    case = {"model_path": embedded_model_path(), "device": "cuda", **case}
+    case = {"model_path": embedded_model_path(SMOLLM2), "device": "cuda", **case}
     server_args = ServerArgs(**case)
     try:
         server_args.resolve_once()

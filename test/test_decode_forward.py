@@ -1,6 +1,6 @@
-"""Our decode forward of Llama models (`platforms/decode_forward.py`) computes what SGLang's own
-layers compute, bit for bit, in SGLang's model runner; and leaves to SGLang what it does not run
-as SGLang would."""
+"""Our decode forward of Llama and Qwen2 models (`platforms/decode_forward.py`) computes what
+SGLang's own layers compute, bit for bit, in SGLang's model runner; and leaves to SGLang what it
+does not run as SGLang would."""
 
 from __future__ import annotations
 
@@ -21,14 +21,21 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.mark.skipif(native() is None, reason="the native CPU kernels did not build or load")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_logits_are_identical_to_sglangs_layers(tiny_llama, dtype):
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen2"])
+def test_logits_are_identical_to_sglangs_layers(request, model, dtype):
     """A ragged batch's decode steps, and after every second one a MagicDec round as the worker
     builds it (γ = 3 draft DECODE steps over per-layer, per-KV-head slot lists, then the
     TARGET_VERIFY of the 4 tokens, and a ragged one of each request's first 1-4): each forward
     run through both paths on the same batch. A ragged verify row is, bit for bit, the full
     verify's row of its token (our kernels' rows do not depend on the rows beside them)."""
     run = subprocess.run(
-        [sys.executable, "-m", "test.decode_forward_check", str(tiny_llama), dtype],
+        [
+            sys.executable,
+            "-m",
+            "test.decode_forward_check",
+            str(request.getfixturevalue(model)),
+            dtype,
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -37,7 +44,7 @@ def test_logits_are_identical_to_sglangs_layers(tiny_llama, dtype):
     lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
     assert run.returncode == 0 and lines, run.stderr[-3000:]
     result = json.loads(lines[-1].removeprefix("RESULT "))
-    assert result["planned"], "the tiny Llama model should run our decode forward"
+    assert result["planned"], f"{model} should run our decode forward"
     forwards = result["forwards"]
     # 4 decode steps; 2 rounds of 3 draft steps, a verify and a ragged verify each.
     assert {kind: len(runs) for kind, runs in forwards.items()} == {
@@ -77,7 +84,7 @@ def test_prefill_wide_batches_and_embeddings_run_sglangs_forward(monkeypatch, mo
     input_ids = torch.zeros(tokens, dtype=torch.int64)
     embeddings = torch.zeros(tokens, 8) if embeds else None
     model = torch.nn.Linear(1, 1)
-    got = decode_forward.llama_forward(
+    got = decode_forward.model_forward(
         original, model, input_ids, input_ids, _forward_batch(mode), embeddings
     )
     assert got == "sglang's" and len(calls) == 1
@@ -90,7 +97,7 @@ def test_a_model_it_cannot_plan_runs_sglangs_forward_and_is_planned_once(monkeyp
     model = torch.nn.Linear(1, 1)
     input_ids = torch.zeros(3, dtype=torch.int64)
     for _ in range(2):
-        got = decode_forward.llama_forward(
+        got = decode_forward.model_forward(
             lambda *args: "sglang's", model, input_ids, input_ids, _forward_batch("verify")
         )
         assert got == "sglang's"
@@ -134,7 +141,7 @@ def test_a_plan_sglang_no_longer_allows_runs_sglangs_forward_with_one_warning(
         model = torch.nn.Module()
         model.layers = torch.nn.ModuleList()
         models.append(model)
-        got = decode_forward.llama_forward(
+        got = decode_forward.model_forward(
             lambda *args: "sglang's", model, input_ids, input_ids, _forward_batch("decode")
         )
         assert got == "sglang's" and decode_forward._PLANS[model] is None

@@ -89,9 +89,12 @@ def test_help_shows_magicdec_group(cli_runs):
             "MAGICDEC runs on --attention-backend fa3, flashinfer, triton, magicdec_cpu, "
             "magicdec_cpu_torch; got 'fa4'",
         ),
-        # The embedded model's 9 query / 3 KV heads cannot split over 2 ranks: one line at
-        # launch, not a traceback from a rank's weight loading.
-        (["--tp", "2"], "has 9 attention heads and 3 KV heads"),
+        # SmolLM2's 9 query / 3 KV heads cannot split over 2 ranks: one line at launch, not a
+        # traceback from a rank's weight loading.
+        (
+            ["--model-path", "smollm2-135m-instruct", "--tp", "2"],
+            "has 9 attention heads and 3 KV heads",
+        ),
         (
             ["--speculative-algorithm", "MAGICDEC", "--attn-dp-size", "2", "--tp", "2"],
             "attention DP",
@@ -141,15 +144,37 @@ def test_the_command_line_prints_one_line_and_exits_2(cli_runs, run, reason):
     assert reason in error
 
 
+@pytest.mark.parametrize(
+    "args, model",
+    [
+        ([], "QWEN_CODER"),
+        (["--model-path", "smollm2-135m-instruct"], "SMOLLM2"),
+        (["--model-path", "Qwen2.5-Coder-0.5B-Instruct"], "QWEN_CODER"),
+    ],
+)
+def test_embedded_models_are_served_by_name(args, model, launch_checks):
+    """No --model-path serves the 32K Qwen model; an embedded model's name (any case) serves its
+    converted folder, named for clients by the model, not by the cache path."""
+    from sglang_magicdec import model as models
+
+    embedded = getattr(models, model)
+    server_args = launch_checks([*args, "--speculative-algorithm", "MAGICDEC"])
+    assert server_args.model_path == models.embedded_model_path(embedded)
+    assert server_args.served_model_name == embedded.served_name
+    # a name the user gives wins over ours
+    named = launch_checks([*args, "--served-model-name", "mine"])
+    assert named.served_model_name == "mine"
+
+
 def test_model_with_sliding_window_attention_is_one_line_error(tmp_path, launch_checks):
     """The embedded model's files, declared a Mistral with a 4K window: the drafts compute plain
     causal attention, so MAGICDEC refuses it at launch (the backends refuse such a layer too)."""
     import json
     import shutil
 
-    from sglang_magicdec.model import embedded_model_path
+    from sglang_magicdec.model import SMOLLM2, embedded_model_path
 
-    source = embedded_model_path()
+    source = embedded_model_path(SMOLLM2)
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(f"{source}/{name}", tmp_path / name)
     config = json.loads((tmp_path / "config.json").read_text())
@@ -169,11 +194,11 @@ def test_sglang_launcher_parses_and_carries_our_flags(launch_checks):
     from sglang.srt.server_args import prepare_server_args
 
     from sglang_magicdec.config import MagicDecConfig
-    from sglang_magicdec.model import embedded_model_path
+    from sglang_magicdec.model import SMOLLM2, embedded_model_path
 
     magicdec = ["--speculative-algorithm", "MAGICDEC", "--magicdec-budget", "64"]
     server_args = prepare_server_args(
-        ["--model-path", embedded_model_path(), *magicdec, "--magicdec-gamma", "2"]
+        ["--model-path", embedded_model_path(SMOLLM2), *magicdec, "--magicdec-gamma", "2"]
     )
     assert server_args.speculative_num_steps == 2  # --magicdec-gamma N is γ = N
     server_args.resolve_once()
@@ -184,18 +209,18 @@ def test_sglang_launcher_parses_and_carries_our_flags(launch_checks):
         MagicDecConfig(draft="streaming", budget=64)
     )
     # A record built without our flags (sglang.Engine's keyword arguments) runs the defaults.
-    plain = prepare_server_args(["--model-path", embedded_model_path()])
+    plain = prepare_server_args(["--model-path", embedded_model_path(SMOLLM2)])
     assert MagicDecConfig.of(plain) == MagicDecConfig()
 
 
 def test_sglang_launcher_refuses_a_bad_magicdec_value_in_one_line(launch_checks):
     from sglang.srt.server_args import prepare_server_args
 
-    from sglang_magicdec.model import embedded_model_path
+    from sglang_magicdec.model import SMOLLM2, embedded_model_path
 
     with pytest.raises(SystemExit) as refused:
         prepare_server_args(
-            ["--model-path", embedded_model_path(), "--speculative-algorithm", "MAGICDEC"]
+            ["--model-path", embedded_model_path(SMOLLM2), "--speculative-algorithm", "MAGICDEC"]
             + ["--magicdec-budget", "8"]
         )
     message = str(refused.value.code)

@@ -13,7 +13,7 @@ import pytest
 import requests
 import torch
 
-from sglang_magicdec.model import embedded_model_path
+from sglang_magicdec.model import SMOLLM2, embedded_model_path
 from test.helpers import (
     GAMMA,
     assert_same_or_tie,
@@ -178,7 +178,8 @@ def test_logprobs_match_autoregressive(spec, plain, long_prompts, temperature):
         assert got["output_ids"] == plain.generate(payload)["output_ids"]
     # Teacher-forced on the plain server: the whole next-token distribution after every prefix
     # (the first entry of SGLang's input logprobs is the last prompt token's, without a value).
-    vocab = json.loads((Path(embedded_model_path()) / "config.json").read_text())["vocab_size"]
+    config = Path(embedded_model_path(SMOLLM2)) / "config.json"
+    vocab = json.loads(config.read_text())["vocab_size"]
     forced = plain.generate(
         {
             "input_ids": prompt + got["output_ids"],

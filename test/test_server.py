@@ -5,7 +5,7 @@ import pytest
 import requests
 
 from magicdec_kernels.loader import cpu_flags
-from sglang_magicdec.model import EMBEDDED_NAME
+from sglang_magicdec.model import SMOLLM2
 from sglang_magicdec.platforms import ATTENTION_BACKEND
 from sglang_magicdec.platforms.cpu import default_dtype
 from test.helpers import ON_CPU_MACHINE
@@ -36,12 +36,12 @@ def test_openai_chat_answers_a_factual_question(server):
         max_tokens=32,
     )
     assert "Paris" in reply.choices[0].message.content
-    assert reply.model == EMBEDDED_NAME
+    assert reply.model == SMOLLM2.served_name
 
 
 def test_models_endpoint_names_the_embedded_model_not_its_cache_path(server):
     models = requests.get(f"{server.url}/v1/models", timeout=10).json()
-    assert [model["id"] for model in models["data"]] == [EMBEDDED_NAME]
+    assert [model["id"] for model in models["data"]] == [SMOLLM2.served_name]
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 17, 64])

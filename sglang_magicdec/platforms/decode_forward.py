@@ -1,6 +1,6 @@
-"""`LlamaModel.forward` for decode-sized batches on our CPU platform: the ops SGLang's layers run
-there (our native per-token ops, the few-row product, our attention backend), called one after
-another instead of through SGLang's per-layer machinery.
+"""`LlamaModel.forward` and `Qwen2Model.forward` for decode-sized batches on our CPU platform: the
+ops SGLang's layers run there (our native per-token ops, the few-row product, our attention
+backend), called one after another instead of through SGLang's per-layer machinery.
 
 At decode sizes on two cores a layer's dozen ops are each a short native call, but SGLang's
 machinery around them (module calls, stage boundaries and the residual stream, fused-op dispatch,
@@ -8,9 +8,10 @@ the linear hooks) adds about a millisecond per layer: ~29 ms of a 75 ms float32 
 batch 8 × 8K, half of a bfloat16 one (`benchmark/profile_round.py`). This forward runs the same
 kernels with the same inputs, so its logits are bit-identical to SGLang's forward's
 (`test/test_decode_forward.py` compares them). It runs only where every layer is one SGLang would
-run as described: one rank, plain Llama layers (`LlamaDecoderLayer`: SmolLM2, Llama 3, Mistral),
-unquantised and without LoRA, no captured hidden states, no torch forward hooks but the SnapKV
-observer's (prefill only; the plan is made at a model's first decode-sized forward), a decode or
+run as described: one rank, plain Llama layers (`LlamaDecoderLayer`: SmolLM2, Llama 3, Mistral) or
+Qwen2 layers (`Qwen2DecoderLayer`: the same ops, with biases on q, k and v), unquantised and
+without LoRA, no captured hidden states, no torch forward hooks but the SnapKV observer's
+(prefill only; the plan is made at a model's first decode-sized forward), a decode or
 target-verify batch of at most `MAX_WEIGHT_MAJOR_ROWS` tokens on our attention backend. Anything
 else runs SGLang's forward.
 
@@ -66,10 +67,10 @@ _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _warned_unplannable = False
 
 
-def llama_forward(
+def model_forward(
     original, model, input_ids, positions, forward_batch, input_embeds=None, pp_proxy_tensors=None
 ):
-    """An AROUND hook of `LlamaModel.forward` (`torch_ops.register`)."""
+    """An AROUND hook of `LlamaModel.forward` and `Qwen2Model.forward` (`hooks.register`)."""
     mode = forward_batch.forward_mode
     if (
         input_embeds is None
@@ -178,6 +179,13 @@ def _plan(model) -> ModelPlan | None:
     from sglang.srt.layers.layernorm import RMSNorm
     from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
     from sglang.srt.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+    from sglang.srt.models.qwen2 import Qwen2Attention, Qwen2DecoderLayer, Qwen2MLP
+
+    # The layer classes whose forward is the ops `run` calls, with their attention and MLP.
+    plain_layers = {
+        LlamaDecoderLayer: (LlamaAttention, LlamaMLP),
+        Qwen2DecoderLayer: (Qwen2Attention, Qwen2MLP),
+    }
 
     def plain_norm(norm) -> bool:
         return (
@@ -215,9 +223,7 @@ def _plan(model) -> ModelPlan | None:
     for layer in layers:
         attention, mlp = layer.self_attn, getattr(layer, "mlp", None)
         if not (
-            type(layer) is LlamaDecoderLayer
-            and type(attention) is LlamaAttention
-            and type(mlp) is LlamaMLP
+            (type(attention), type(mlp)) == plain_layers.get(type(layer))
             and attention.num_heads == attention.total_num_heads  # one rank
             and all(
                 plain_linear(m)

@@ -1,6 +1,6 @@
 """Installs our CPU platform's ops into SGLang (`plugin.load` calls `register` when the platform is
 active): the torch helpers and few-row products of `torch_ops`, the native forwards of SGLang's
-fused ops, and the Llama decode forward (`decode_forward`)."""
+fused ops, and the decode forward of Llama and Qwen2 models (`decode_forward`)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ AROUND_HOOKS = {
     "sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head": (
         torch_ops.decode_sized_lm_head
     ),
-    # Decode-sized forwards of Llama models run their layers' ops directly.
-    "sglang.srt.models.llama.LlamaModel.forward": decode_forward.llama_forward,
+    # Decode-sized forwards of Llama and Qwen2 models run their layers' ops directly.
+    "sglang.srt.models.llama.LlamaModel.forward": decode_forward.model_forward,
+    "sglang.srt.models.qwen2.Qwen2Model.forward": decode_forward.model_forward,
 }
 
 
