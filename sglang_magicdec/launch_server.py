@@ -66,8 +66,13 @@ def prepare(argv: list[str]):
     except ValueError as exc:
         raise LaunchError(str(exc)) from None
     sglang_argv = list(argv)
-    embedded = DEFAULT_MODEL if args.model_path is None else embedded_model(args.model_path)
-    if embedded is not None and not Path(args.model_path or "").exists():
+    if args.model_path is None:
+        embedded = DEFAULT_MODEL
+    elif Path(args.model_path).exists():  # a folder of that name is the user's model
+        embedded = None
+    else:
+        embedded = embedded_model(args.model_path)
+    if embedded is not None:
         try:
             # The last --model-path wins in argparse: this one, the converted folder.
             sglang_argv += ["--model-path", embedded_model_path(embedded)]

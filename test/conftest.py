@@ -125,32 +125,39 @@ def tiny_llama(tmp_path_factory):
     return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-@pytest.fixture(scope="session", params=[64, 128], ids=lambda head_dim: f"head_dim{head_dim}")
-def tiny_qwen2(request, tmp_path_factory):
-    """A 2-layer Qwen2 model with the 0.5B's group of 7 (14 query / 2 KV heads, biases on q, k
-    and v) at head dim 64 (Qwen2.5-0.5B's) or 128 (the 1.5B's), random weights: what it is
-    for is comparing two forwards' logits bit for bit, which random weights show as well."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory):
+    """Writes (once per head dim) a 2-layer Qwen2 model with the 0.5B's group of 7 (14 query /
+    2 KV heads, biases on q, k and v) at head dim 64 (Qwen2.5-0.5B's) or 128 (the 1.5B's), random
+    weights: what it is for is comparing two forwards' logits bit for bit, which random weights
+    show as well."""
+    folders = {}
 
-    head_dim = request.param
-    config = Qwen2Config(
-        vocab_size=16384,
-        hidden_size=14 * head_dim,
-        intermediate_size=1024,
-        num_hidden_layers=2,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        max_position_embeddings=32768,
-        rope_theta=1e6,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(head_dim)
-    model = Qwen2ForCausalLM(config)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith(".bias"):  # initialised to zero: a bias dropped would not show
-                parameter.normal_(std=0.5)
-    folder = tmp_path_factory.mktemp(f"tiny-qwen2-{head_dim}")
-    model.save_pretrained(folder)
-    return folder
+    def write(head_dim: int):
+        import torch
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        if head_dim in folders:
+            return folders[head_dim]
+        config = Qwen2Config(
+            vocab_size=16384,
+            hidden_size=14 * head_dim,
+            intermediate_size=1024,
+            num_hidden_layers=2,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            max_position_embeddings=32768,
+            rope_theta=1e6,
+            tie_word_embeddings=False,
+        )
+        torch.manual_seed(head_dim)
+        model = Qwen2ForCausalLM(config)
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name.endswith(".bias"):  # initialised to zero: a bias dropped would not show
+                    parameter.normal_(std=0.5)
+        folder = folders[head_dim] = tmp_path_factory.mktemp(f"tiny-qwen2-{head_dim}")
+        model.save_pretrained(folder)
+        return folder
+
+    return write

@@ -180,7 +180,9 @@ RAGGED_KV_LENS = [0, 1, 37, 300, 1, 700, 64]
 @pytest.mark.parametrize("per_head", [True, False], ids=["per-head-lists", "shared-list"])
 @pytest.mark.parametrize("contiguous_slots", [False, True], ids=["random-slots", "contiguous"])
 @pytest.mark.parametrize(
-    "group,num_kv_heads,head_dim", [(1, 1, 64), (3, 3, 64), (4, 2, 128), (2, 1, 128)]
+    # SmolLM2 (3 x 3 KV heads), Qwen2.5-0.5B (7 x 2), Qwen2.5-1.5B (6 x 2 at head dim 128)
+    "group,num_kv_heads,head_dim",
+    [(1, 1, 64), (3, 3, 64), (7, 2, 64), (4, 2, 128), (6, 2, 128), (2, 1, 128)],
 )
 def test_matches_oracle(
     dtype, head_major, per_head, contiguous_slots, group, num_kv_heads, head_dim

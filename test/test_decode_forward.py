@@ -21,21 +21,19 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.mark.skipif(native() is None, reason="the native CPU kernels did not build or load")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen2"])
-def test_logits_are_identical_to_sglangs_layers(request, model, dtype):
+@pytest.mark.parametrize("model", ["llama", "qwen2-head_dim64", "qwen2-head_dim128"])
+def test_logits_are_identical_to_sglangs_layers(request, tiny_qwen2, model, dtype):
     """A ragged batch's decode steps, and after every second one a MagicDec round as the worker
     builds it (γ = 3 draft DECODE steps over per-layer, per-KV-head slot lists, then the
     TARGET_VERIFY of the 4 tokens, and a ragged one of each request's first 1-4): each forward
     run through both paths on the same batch. A ragged verify row is, bit for bit, the full
     verify's row of its token (our kernels' rows do not depend on the rows beside them)."""
+    if model == "llama":
+        folder = request.getfixturevalue("tiny_llama")
+    else:
+        folder = tiny_qwen2(int(model.removeprefix("qwen2-head_dim")))
     run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "test.decode_forward_check",
-            str(request.getfixturevalue(model)),
-            dtype,
-        ],
+        [sys.executable, "-m", "test.decode_forward_check", str(folder), dtype],
         cwd=REPO,
         capture_output=True,
         text=True,
