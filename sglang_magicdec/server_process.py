@@ -16,6 +16,8 @@ from pathlib import Path
 
 import requests
 
+from sglang_magicdec.model import SMOLLM2
+
 LAUNCH = [sys.executable, "-m", "sglang_magicdec.launch_server"]
 # SGLang's own: our plugin adds the MagicDec flags to it too; it needs --model-path.
 SGLANG_LAUNCH = [sys.executable, "-m", "sglang.launch_server"]
@@ -67,13 +69,13 @@ def start_server(
     timeout_s: float = 300,
     env: dict[str, str] | None = None,
     launch: list[str] = LAUNCH,
-    model: str = "smollm2-135m-instruct",
+    model: str | None = SMOLLM2.name,
 ) -> ServerProcess:
     """Launch `launch` on a free loopback port (with `env` added to this process's
     environment) serving `model` where `args` name none: the small embedded model by default,
-    which is what the tests and benchmarks run unless their claim needs another. Raises
-    RuntimeError with the log tail if it fails."""
-    if "--model-path" not in args:
+    which is what the tests and benchmarks run unless their claim needs another (None: the
+    launcher's own default). Raises RuntimeError with the log tail if it fails."""
+    if model is not None and "--model-path" not in args:
         args = ["--model-path", model, *args]
     port = free_port()
     log_path = Path(log_dir) / f"server-{port}.log"

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from sglang_magicdec.model import SMOLLM2
 from sglang_magicdec.server_process import LAUNCH, ServerProcess, start_server
 from test.helpers import GAMMA, POOL_ARGS, SNAPKV, pg19_acceptance_prompts, run_concurrently
 
@@ -22,9 +23,12 @@ def _server_factory(tmp_path_factory) -> Iterator:
     log_dir = tmp_path_factory.mktemp("server-logs")
 
     def factory(
-        *args: str, env: dict[str, str] | None = None, launch: list[str] = LAUNCH
+        *args: str,
+        env: dict[str, str] | None = None,
+        launch: list[str] = LAUNCH,
+        model: str | None = SMOLLM2.name,
     ) -> ServerProcess:
-        server = start_server(list(args), log_dir, env=env, launch=launch)
+        server = start_server(list(args), log_dir, env=env, launch=launch, model=model)
         started.append(server)
         return server
 
@@ -111,7 +115,7 @@ def streaming_pg19_run(streaming, tokenizer) -> list[dict]:
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from sglang_magicdec.model import SMOLLM2, embedded_model_path
+    from sglang_magicdec.model import embedded_model_path
 
     return AutoTokenizer.from_pretrained(embedded_model_path(SMOLLM2))
 
