@@ -58,7 +58,13 @@ SESSION_SERVERS: dict[str, ServerProcess] = {}
 _LAST_USER: dict[str, str] = {}
 
 
+# Runs after every other module: its two servers of the 0.5B model need the memory the session
+# servers hold until their last test.
+LAST_MODULE = "test_long_context_server.py"
+
+
 def pytest_collection_modifyitems(items) -> None:
+    items.sort(key=lambda item: item.path.name == LAST_MODULE)  # stable: order kept otherwise
     for item in items:
         for name in ("plain", "streaming", "snap"):
             if name in getattr(item, "fixturenames", ()):

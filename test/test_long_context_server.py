@@ -1,13 +1,13 @@
 """The embedded 32K model at long context: what `make serve` serves (no --model-path: the Qwen
 model, MAGICDEC with its SnapKV draft) against a plain server of the same model, in bfloat16.
 
-One document (PG-19 books joined, ~30K tokens, a needle sentence at ~10K) is prefilled once per
-server and shared by every question through the radix cache: first its first 16K tokens with a
+One document (PG-19 books joined, 16K tokens, a needle sentence at ~6K) is prefilled once per
+server and shared by every question through the radix cache: first its first 8K tokens with a
 question, then all of it with the needle question, then all of it with another question. Each
 request is sent alone and in the same order to both servers, so their prefills group alike and
-a bf16 greedy output must be the plain server's token for token. A 30K prefill of the 0.5B takes
-~2.5 minutes here per server; the 16K/32K throughput is measured by `benchmark.long_context`,
-not here.
+a bf16 greedy output must be the plain server's token for token. A 16K prefill of the 0.5B takes
+~2.5 minutes here per server (a 30K one ~7), so 32K is measured by `benchmark.long_context`,
+not here; the module runs last (`conftest.LAST_MODULE`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from test.helpers import greedy, pg19_texts, start_together
 
 pytestmark = pytest.mark.server  # starts real SGLang servers
 
-NEEDLE_AT = 10_000
+NEEDLE_AT = 6_000
+DOCUMENT_TOKENS = 16_000
 NEEDLE = " The secret password is violet-harbor-42. Remember it. "
 NEEDLE_QUESTION = "What is the secret password mentioned in the text above? Answer with it only."
 OTHER_QUESTION = "Name one character of the story above."
@@ -50,12 +51,12 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def prompts(tokenizer) -> dict[str, list[int]]:
-    """Chat prompts over the document, as token ids: its first 16K tokens with a question, and
-    all ~30K with the needle question and with another."""
+    """Chat prompts over the document, as token ids: its first 8K tokens with a question, and
+    all 16K with the needle question and with another."""
     texts = pg19_texts("32K", count=2)
     book = tokenizer(texts[0] + texts[1], add_special_tokens=False)["input_ids"]
     needle = tokenizer(NEEDLE, add_special_tokens=False)["input_ids"]
-    document = book[:NEEDLE_AT] + needle + book[NEEDLE_AT : 30_000 - len(needle)]
+    document = book[:NEEDLE_AT] + needle + book[NEEDLE_AT : DOCUMENT_TOKENS - len(needle)]
     marker = "\x00DOCUMENT\x00"
     template = tokenizer.apply_chat_template(
         [{"role": "user", "content": marker + "QUESTION"}],
@@ -70,9 +71,9 @@ def prompts(tokenizer) -> dict[str, list[int]]:
         return head + document[:tokens] + tail["input_ids"]
 
     return {
-        "16K": prompt(16_000, SHORT_QUESTION),
-        "30K needle": prompt(len(document), NEEDLE_QUESTION),
-        "30K other": prompt(len(document), OTHER_QUESTION),
+        "8K": prompt(8_000, SHORT_QUESTION),
+        "16K needle": prompt(len(document), NEEDLE_QUESTION),
+        "16K other": prompt(len(document), OTHER_QUESTION),
     }
 
 
@@ -102,7 +103,7 @@ def test_the_default_model_is_the_32k_qwen_and_answers(servers):
     assert info["speculative_algorithm"] == "MAGICDEC"
 
 
-@pytest.mark.parametrize("name", ["16K", "30K needle", "30K other"])
+@pytest.mark.parametrize("name", ["8K", "16K needle", "16K other"])
 def test_greedy_output_is_the_plain_servers_at_long_context(answers, prompts, name):
     plain, magicdec = answers[name]
     assert magicdec["output_ids"] == plain["output_ids"], (
@@ -116,26 +117,26 @@ def test_greedy_output_is_the_plain_servers_at_long_context(answers, prompts, na
 
 
 def test_the_needle_is_answered_alike(answers):
-    plain, magicdec = answers["30K needle"]
+    plain, magicdec = answers["16K needle"]
     assert magicdec["text"] == plain["text"]
 
 
 def test_questions_on_one_document_share_its_summary(answers):
-    """The second question over the 30K document reuses the SnapKV summary the first computed
+    """The second question over the 16K document reuses the SnapKV summary the first computed
     (the radix cache holds one copy of the document)."""
     statuses = [
         answers[name][1]["meta_info"]["magicdec_summary"][0]["status"]
-        for name in ("16K", "30K needle", "30K other")
+        for name in ("8K", "16K needle", "16K other")
     ]
     assert statuses == ["computed", "computed", "reused"]
-    plain, _ = answers["30K other"]
+    plain, _ = answers["16K other"]
     # the plain server prefilled only the question: the document was cached
-    assert plain["meta_info"]["cached_tokens"] >= 29_000
+    assert plain["meta_info"]["cached_tokens"] >= DOCUMENT_TOKENS - 500
 
 
 def test_a_prompt_past_the_context_is_refused_in_one_line(servers, prompts):
     plain, _ = servers
-    too_long = prompts["30K needle"] * 2
+    too_long = prompts["16K needle"] * 3
     response = requests.post(
         f"{plain.url}/generate",
         json={"input_ids": too_long, "sampling_params": {"max_new_tokens": 4}},
@@ -145,4 +146,4 @@ def test_a_prompt_past_the_context_is_refused_in_one_line(servers, prompts):
     message = response.json()["error"]["message"]
     assert "32768" in message and "\n" not in message.strip()
     # and the server goes on serving
-    assert greedy(plain, prompts["16K"][:64], 2)["meta_info"]["completion_tokens"] == 2
+    assert greedy(plain, prompts["8K"][:64], 2)["meta_info"]["completion_tokens"] == 2

@@ -1,0 +1,195 @@
+"""Long context with the 32K Qwen model: questions over documents of 16K-32K tokens, AR against
+MagicDec (fixed γ and γ = auto), each server in turn, bf16 by default.
+
+    python -m benchmark.long_context                       # 8 questions over one ~32K document
+    python -m benchmark.long_context --context 16000 --documents 4 --questions 4
+
+Per server: the documents are prefilled first, one request each (the time is reported, not part
+of decode), then every question at once (`ignore_eos`, greedy): decode tok/s is the new tokens
+over that batch's wall time (the questions' own few tokens and SnapKV's window re-prefill
+included). The AR floor is the tok/s of an autoregressive decoder that reads the weights a step
+reads and every request's KV at the read bandwidth measured before the servers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmark.common import DEFAULT_DATA, magicdec_info, run_batch
+from benchmark.roofline import measure_machine
+from sglang_magicdec.model import QWEN_CODER, embedded_model_path
+from sglang_magicdec.server_process import start_server
+
+QUESTIONS = [
+    "Summarise the text above in three sentences.",
+    "Who is the main character of the text above?",
+    "Where does the story above take place?",
+    "What happens at the end of the text above?",
+    "List three objects that appear in the text above.",
+    "What is the mood of the text above?",
+    "Which character speaks first in the text above?",
+    "Write a title for the text above.",
+]
+MODES = {
+    "ar": [],
+    "fixed": ["--speculative-algorithm", "MAGICDEC", "--magicdec-gamma", "3"],
+    "auto": ["--speculative-algorithm", "MAGICDEC", "--magicdec-gamma", "auto"],
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    documents: list[list[int]]  # token ids of each document's chat prompt up to its question
+    prompts: list[list[int]]  # each question over its document (question i: document i % D)
+
+
+def build_workload(context: int, documents: int, questions: int, data: Path) -> Workload:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_path(QWEN_CODER))
+    texts = [json.loads(line)["text"] for line in (data / "pg19" / "pg19_32K.jsonl").open()]
+    template = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "\x00DOC\x00QUESTION"}], tokenize=False,
+        add_generation_prompt=True,
+    )  # fmt: skip
+    before, after = template.split("\x00DOC\x00")
+    head = tokenizer(before, add_special_tokens=False)["input_ids"]
+    docs = []
+    for d in range(documents):
+        # books joined where one is shorter than the context
+        book: list[int] = []
+        for text in texts[2 * d :]:
+            book += tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(book) >= context:
+                break
+        docs.append(head + book[:context])
+    prompts = []
+    for q in range(questions):
+        tail = "\n\n" + after.replace("QUESTION", QUESTIONS[q % len(QUESTIONS)])
+        prompts.append(docs[q % documents] + tokenizer(tail, add_special_tokens=False)["input_ids"])
+    return Workload(docs, prompts)
+
+
+def run_mode(mode: str, args, workload: Workload, log_dir: Path) -> dict:
+    pool_tokens = sum(len(p) for p in workload.prompts) + len(workload.prompts) * (
+        args.new_tokens + 16
+    )
+    server = start_server(
+        [*MODES[mode], "--dtype", args.dtype, "--max-total-tokens", str(pool_tokens),
+         "--mem-fraction-static", "0.6"],
+        log_dir, timeout_s=900, model=QWEN_CODER.name,
+    )  # fmt: skip
+    try:
+        start = time.perf_counter()
+        for document in workload.documents:
+            run_batch(server, [document], 1)
+        prefill_s = time.perf_counter() - start
+        before = magicdec_info(server.url)
+        start = time.perf_counter()
+        results = run_batch(server, workload.prompts, args.new_tokens)
+        decode_s = time.perf_counter() - start
+        after = magicdec_info(server.url)
+    finally:
+        server.stop()
+    new_tokens = sum(r["meta_info"]["completion_tokens"] for r in results)
+    rounds = sum(r["meta_info"].get("spec_verify_ct", 0) for r in results)
+    row = {
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "decode_tok_s": new_tokens / decode_s,
+        "accept_length": new_tokens / rounds if rounds else None,
+    }
+    for key in ("summaries_computed", "summaries_reused"):
+        if key in after:
+            row[key] = after[key] - before.get(key, 0)
+    for key in ("current_gamma", "predicted_speedup", "gamma_reason"):
+        if key in after:  # γ = auto's latest decision
+            row[key] = after[key]
+    return row
+
+
+def ar_floor(workload: Workload, dtype: str, bandwidth: float) -> float:
+    """tok/s of a decoder reading, per step, every weight but the input embedding (a row per
+    token; the LM head is separate in this model) and every request's KV, at `bandwidth`."""
+    from safetensors import safe_open
+
+    folder = Path(embedded_model_path(QWEN_CODER))
+    config = json.loads((folder / "config.json").read_text())
+    element = 2 if dtype == "bfloat16" else 4
+    with safe_open(str(folder / "model.safetensors"), "pt") as weights:
+        params = sum(math.prod(weights.get_slice(name).get_shape()) for name in weights.keys())
+    embedding = config["vocab_size"] * config["hidden_size"]
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    kv_per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim
+    kv_tokens = sum(len(prompt) for prompt in workload.prompts)
+    step_bytes = ((params - embedding) + kv_tokens * kv_per_token) * element
+    return len(workload.prompts) / (step_bytes / bandwidth)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--context", type=int, default=32_000, help="document tokens")
+    parser.add_argument("--documents", type=int, default=1)
+    parser.add_argument("--questions", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--modes", default="ar,fixed,auto")
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+
+    workload = build_workload(args.context, args.documents, args.questions, args.data)
+    machine = measure_machine()
+    floor_tok_s = ar_floor(workload, args.dtype, machine.bandwidth)
+    print(
+        f"{QWEN_CODER.served_name}, {args.dtype}: {args.questions} questions over "
+        f"{args.documents} document(s) of {args.context} tokens, {args.new_tokens} new tokens; "
+        f"read {machine.bandwidth / 1e9:.1f} GB/s: AR floor {floor_tok_s:.1f} tok/s",
+        flush=True,
+    )
+    rows = {}
+    with tempfile.TemporaryDirectory() as log_dir:
+        for mode in args.modes.split(","):
+            rows[mode] = run_mode(mode, args, workload, Path(log_dir))
+            print(mode, json.dumps(rows[mode]), flush=True)
+    after = measure_machine()
+    ar = rows.get("ar", {}).get("decode_tok_s")
+    print(
+        "\n| mode | prefill s | decode tok/s | × AR | / AR floor | accept length | summaries "
+        "computed / reused |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for mode, row in rows.items():
+        speedup = f"{row['decode_tok_s'] / ar:.2f}" if ar else "-"
+        accept = f"{row['accept_length']:.2f}" if row["accept_length"] else "-"
+        shared = (
+            f"{row['summaries_computed']} / {row['summaries_reused']}"
+            if "summaries_computed" in row else "-"
+        )  # fmt: skip
+        print(
+            f"| {mode} | {row['prefill_s']:.0f} | {row['decode_tok_s']:.1f} | {speedup} | "
+            f"{row['decode_tok_s'] / floor_tok_s:.2f} | {accept} | {shared} |"
+        )
+    print(f"\nread bandwidth after the servers: {after.bandwidth / 1e9:.1f} GB/s")
+    if args.out:
+        args.out.write_text(
+            json.dumps(
+                {
+                    "args": {k: str(v) for k, v in vars(args).items()},
+                    "bandwidth_gb_s": [machine.bandwidth / 1e9, after.bandwidth / 1e9],
+                    "ar_floor_tok_s": floor_tok_s,
+                    "modes": rows,
+                },
+                indent=2,
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()
