@@ -51,7 +51,8 @@ class MagicDecConfig:
                  8 x 7,936 in bf16, auto measured 0.97x AR where never stopping made 1.11x
     min_context  below this many committed tokens the draft reads the whole context, i.e. the
                  request is decoded plainly (its draft is the target itself); None = budget
-    debug        check every draft selection against the request's live KV slots (tests)
+    debug        check every draft selection against the request's live KV slots, and report
+                 each (layer, KV head) SnapKV selection's digest (tests)
     """
 
     draft: str = "snapkv"

@@ -76,6 +76,16 @@ class Summary:
         """Short fingerprint of the selection (tests compare selections across servers)."""
         return hashlib.sha1(self.positions.numpy().tobytes()).hexdigest()[:16]
 
+    @property
+    def head_digests(self) -> list[str]:
+        """One short fingerprint per (layer, KV head) selection, layer-major: where two
+        selections part, and how many of them (one rounding tie moves one head's, a wrong
+        observation window moves nearly all)."""
+        return [
+            hashlib.sha1(head.numpy().tobytes()).hexdigest()[:8]
+            for head in self.positions.flatten(0, 1)
+        ]
+
     def positions_within(self, shared_len: int) -> torch.Tensor:
         """The selection for a prompt sharing only the first `shared_len` tokens: the positions
         before `shared_len`, each (layer, KV head) refilled to min(kept, shared_len) positions

@@ -134,6 +134,20 @@ def test_partial_share_refills_from_the_margin_then_the_latest_positions():
     assert doc.positions_within(4).tolist() == [[[0, 1, 2, 3]], [[0, 1, 2, 3]]]
 
 
+def test_head_digests_tell_which_heads_selected_otherwise():
+    """One digest per (layer, KV head), layer-major: moving one position moves one head's."""
+    positions = torch.arange(2 * 3 * 4, dtype=torch.int32).view(2, 3, 4)
+    margin = torch.zeros(2, 3, 0, dtype=torch.int32)
+    doc = Summary(tuple(range(32)), positions, margin, torch.arange(31))
+    moved = positions.clone()
+    moved[1, 0, 2] = 30
+    other = Summary(tuple(range(32)), moved, margin, torch.arange(31))
+    assert len(doc.head_digests) == 6 and len(set(doc.head_digests)) == 6
+    apart = [a != b for a, b in zip(doc.head_digests, other.head_digests, strict=True)]
+    assert apart == [False, False, False, True, False, False]
+    assert doc.digest != other.digest
+
+
 def test_store_finds_the_longest_shared_prefix_block_by_block():
     store = SummaryStore(share_min_len=100)  # blocks of 64 tokens
     document = list(range(1000, 1300))

@@ -189,11 +189,14 @@ def test_radix_hit_with_a_short_suffix_computes_its_own_summary(snap, plain, tok
     under --magicdec-share-min-len 1024) asked twice: the second prompt's only new tokens are a
     short question, fewer than the observation window, and no summary exists to reuse. Its
     prefill recomputes the window instead (the radix match stops `obs_window` tokens early) and
-    selects exactly what a prefill with nothing cached selects."""
+    selects what a prefill with nothing cached selects: the same positions in each (layer, KV
+    head) but where a rounding tie falls otherwise (the hit's window is a ~40-row extend, the
+    cold one's a ~930-row prefill: their linear layers round differently), where a window that
+    differs in its last few tokens (the first question's) moves most heads."""
     document = tokenizer(pg19_texts("4K", count=20)[17])["input_ids"][:900]
     first = document + tokenizer(" Question: who speaks?")["input_ids"]
     second = document + tokenizer(" Question: where?")["input_ids"]
-    greedy(snap, first, 1)
+    other_window = greedy(snap, first, 1)
     hit = greedy(snap, second, 12)
     assert summary_of(hit)["status"] == "computed"
     assert hit["meta_info"]["cached_tokens"] <= len(second) - OBS_WINDOW
@@ -201,7 +204,13 @@ def test_radix_hit_with_a_short_suffix_computes_its_own_summary(snap, plain, tok
     assert requests.post(f"{snap.url}/flush_cache", timeout=30).status_code == 200
     cold = greedy(snap, second, 12)
     assert cold["meta_info"]["cached_tokens"] == 0
-    assert summary_of(cold)["digest"] == summary_of(hit)["digest"]
+    heads = summary_of(cold)["head_digests"]
+
+    def heads_apart(result: dict) -> int:
+        return sum(a != b for a, b in zip(summary_of(result)["head_digests"], heads, strict=True))
+
+    assert heads_apart(hit) <= len(heads) // 20, f"{heads_apart(hit)} of {len(heads)} heads"
+    assert heads_apart(other_window) >= len(heads) // 2, f"{heads_apart(other_window)} heads"
     expected = greedy(plain, second, 12)["output_ids"]
     assert_same_or_tie(plain, second, hit["output_ids"], expected, "radix hit")
 

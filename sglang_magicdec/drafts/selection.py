@@ -28,4 +28,5 @@ def make_selection(config, model: torch.nn.Module) -> DraftSelection:
         model=model,
         share_min_len=config.share_min_len,
         min_context=config.dense_below,
+        report_heads=config.debug,
     )

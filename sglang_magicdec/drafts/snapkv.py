@@ -112,8 +112,10 @@ class SnapKVSelection(radix_events.RadixCacheListener):
         model: torch.nn.Module,
         share_min_len: int,
         min_context: int,
+        report_heads: bool = False,
     ):
         self.policy = policy
+        self.report_heads = report_heads  # each head's digest in the report (--magicdec-debug)
         self.fallback = fallback
         self.min_context = min_context
         self.store = SummaryStore(share_min_len=share_min_len)
@@ -160,7 +162,7 @@ class SnapKVSelection(radix_events.RadixCacheListener):
                 self.store.acquire(
                     rid, summary, computed=False, shared_len=shared_len, cached_slots=cached_slots
                 )
-                _report(req, "reused", summary, shared_len)
+                _report(req, "reused", summary, shared_len, heads=self.report_heads)
             elif prefix_len <= prompt_len - window:
                 self.observer.pending[rid] = PendingWindow(prompt_len, window)
             else:
@@ -219,7 +221,7 @@ class SnapKVSelection(radix_events.RadixCacheListener):
                 # shared prefix (one forward or chunk, no radix hit between them): share it too.
                 summary, shared_len = reusable
                 self.store.acquire(req.rid, summary, computed=False, shared_len=shared_len)
-                _report(req, "reused", summary, shared_len)
+                _report(req, "reused", summary, shared_len, heads=self.report_heads)
                 continue
             prompt_slots = req_to_token[row, : pending.prompt_len].to(torch.int64)
             positions, margins = zip(
@@ -241,7 +243,7 @@ class SnapKVSelection(radix_events.RadixCacheListener):
                 prompt_slots=prompt_slots[:-1].to("cpu", copy=True),  # not a view of the row
             )
             self.store.acquire(req.rid, summary, computed=True)
-            _report(req, "computed", summary)
+            _report(req, "computed", summary, heads=self.report_heads)
 
     # -- decode: the draft's slots ------------------------------------------------------------
 
@@ -310,12 +312,21 @@ class SnapKVSelection(radix_events.RadixCacheListener):
         return {**self.store.info(), "drafts_without_summary": self.without_summary}
 
 
-def _report(req, status: str, summary: Summary | None, shared_len: int | None = None) -> None:
+def _report(
+    req,
+    status: str,
+    summary: Summary | None,
+    shared_len: int | None = None,
+    heads: bool = False,
+) -> None:
     """The request's `meta_info["magicdec_summary"]`, through SGLang's per-request
     `customized_info` channel (a one-entry list: it rides with the first output token):
-    prefix_len is how many prompt tokens the summary covers (the shared part for a reuser)."""
+    prefix_len is how many prompt tokens the summary covers (the shared part for a reuser);
+    with `heads`, each (layer, KV head) selection's own digest too."""
     info = {"status": status}
     if summary is not None:
         shared_len = summary.length if shared_len is None else shared_len
         info.update(prefix_len=shared_len, digest=summary.digest)
+        if heads:
+            info["head_digests"] = summary.head_digests
     req.customized_info = {"magicdec_summary": [info]}
