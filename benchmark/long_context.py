@@ -1,14 +1,19 @@
 """Long context with the 32K Qwen model: questions over documents of 16K-32K tokens, AR against
-MagicDec (fixed γ and γ = auto), each server in turn, bf16 by default.
+MagicDec (fixed γ, γ = auto, StreamingLLM, other SnapKV budgets), each server in turn, bf16 by
+default.
 
     python -m benchmark.long_context                       # 8 questions over one ~32K document
     python -m benchmark.long_context --context 16000 --documents 4 --questions 4
+    python -m benchmark.long_context --context 16000 --modes ar,fixed --budgets 256,1024,2048
 
-Per server: the documents are prefilled first, one request each (the time is reported, not part
-of decode), then every question at once (`ignore_eos`, greedy): decode tok/s is the new tokens
-over that batch's wall time (the questions' own few tokens and SnapKV's window re-prefill
-included). The AR floor is the tok/s of an autoregressive decoder that reads the weights a step
-reads and every request's KV at the read bandwidth measured before the servers.
+Each document carries a needle sentence at 3/5 of its length; the first question over it asks
+for the needle. Per server: the documents are prefilled first, one request each (the time is
+reported, not part of decode), then every question at once (`ignore_eos`, greedy): decode tok/s
+is the new tokens over that batch's wall time (the questions' own few tokens and SnapKV's window
+re-prefill included). Every MagicDec mode's outputs are compared with AR's token for token (the
+same ragged batch, so bf16 greedy output must be identical). The AR floor is the tok/s of an
+autoregressive decoder that reads the weights a step reads and every request's KV at the read
+bandwidth measured before the servers.
 """
 
 from __future__ import annotations
@@ -26,7 +31,10 @@ from benchmark.roofline import measure_machine
 from sglang_magicdec.model import QWEN_CODER, embedded_model_path
 from sglang_magicdec.server_process import start_server
 
+NEEDLE = " The secret password is violet-harbor-42. Remember it. "
+NEEDLE_ANSWER = "violet-harbor-42"
 QUESTIONS = [
+    "What is the secret password mentioned in the text above? Answer with it only.",
     "Summarise the text above in three sentences.",
     "Who is the main character of the text above?",
     "Where does the story above take place?",
@@ -34,13 +42,14 @@ QUESTIONS = [
     "List three objects that appear in the text above.",
     "What is the mood of the text above?",
     "Which character speaks first in the text above?",
-    "Write a title for the text above.",
 ]
 MODES = {
     "ar": [],
     "fixed": ["--speculative-algorithm", "MAGICDEC", "--magicdec-gamma", "3"],
     "auto": ["--speculative-algorithm", "MAGICDEC", "--magicdec-gamma", "auto"],
-}
+    "streaming": ["--speculative-algorithm", "MAGICDEC", "--magicdec-gamma", "3",
+                  "--magicdec-draft", "streaming"],
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,8 @@ def build_workload(context: int, documents: int, questions: int, data: Path) -> 
     )  # fmt: skip
     before, after = template.split("\x00DOC\x00")
     head = tokenizer(before, add_special_tokens=False)["input_ids"]
+    needle = tokenizer(NEEDLE, add_special_tokens=False)["input_ids"]
+    needle_at = context * 3 // 5
     docs = []
     for d in range(documents):
         # books joined where one is shorter than the context
@@ -68,7 +79,8 @@ def build_workload(context: int, documents: int, questions: int, data: Path) -> 
             book += tokenizer(text, add_special_tokens=False)["input_ids"]
             if len(book) >= context:
                 break
-        docs.append(head + book[:context])
+        body = book[:needle_at] + needle + book[needle_at : context - len(needle)]
+        docs.append(head + body)
     prompts = []
     for q in range(questions):
         tail = "\n\n" + after.replace("QUESTION", QUESTIONS[q % len(QUESTIONS)])
@@ -76,12 +88,19 @@ def build_workload(context: int, documents: int, questions: int, data: Path) -> 
     return Workload(docs, prompts)
 
 
-def run_mode(mode: str, args, workload: Workload, log_dir: Path) -> dict:
+def mode_flags(mode: str) -> list[str]:
+    """A named mode, or `budget=N`: fixed γ = 3 with a SnapKV budget of N."""
+    if mode.startswith("budget="):
+        return [*MODES["fixed"], "--magicdec-budget", mode.removeprefix("budget=")]
+    return MODES[mode]
+
+
+def run_mode(mode: str, args, workload: Workload, log_dir: Path) -> tuple[dict, list[dict]]:
     pool_tokens = sum(len(p) for p in workload.prompts) + len(workload.prompts) * (
         args.new_tokens + 16
     )
     server = start_server(
-        [*MODES[mode], "--dtype", args.dtype, "--max-total-tokens", str(pool_tokens),
+        [*mode_flags(mode), "--dtype", args.dtype, "--max-total-tokens", str(pool_tokens),
          "--mem-fraction-static", "0.6"],
         log_dir, timeout_s=900, model=QWEN_CODER.name,
     )  # fmt: skip
@@ -104,6 +123,7 @@ def run_mode(mode: str, args, workload: Workload, log_dir: Path) -> dict:
         "decode_s": decode_s,
         "decode_tok_s": new_tokens / decode_s,
         "accept_length": new_tokens / rounds if rounds else None,
+        "needle_answers": [r["text"] for r in results[:: len(QUESTIONS)]],
     }
     for key in ("summaries_computed", "summaries_reused"):
         if key in after:
@@ -111,7 +131,7 @@ def run_mode(mode: str, args, workload: Workload, log_dir: Path) -> dict:
     for key in ("current_gamma", "predicted_speedup", "gamma_reason"):
         if key in after:  # γ = auto's latest decision
             row[key] = after[key]
-    return row
+    return row, results
 
 
 def ar_floor(workload: Workload, dtype: str, bandwidth: float) -> float:
@@ -139,7 +159,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--questions", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--modes", default="ar,fixed,auto")
+    parser.add_argument("--modes", default="ar,fixed,auto,streaming", help=", ".join(MODES))
+    parser.add_argument(
+        "--budgets", default="", help="comma-separated SnapKV budgets, each a fixed γ = 3 mode"
+    )
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
@@ -153,18 +176,25 @@ def main(argv: list[str] | None = None) -> None:
         f"read {machine.bandwidth / 1e9:.1f} GB/s: AR floor {floor_tok_s:.1f} tok/s",
         flush=True,
     )
-    rows = {}
+    modes = args.modes.split(",") + [f"budget={b}" for b in args.budgets.split(",") if b]
+    rows: dict[str, dict] = {}
+    outputs: dict[str, list[list[int]]] = {}
     with tempfile.TemporaryDirectory() as log_dir:
-        for mode in args.modes.split(","):
-            rows[mode] = run_mode(mode, args, workload, Path(log_dir))
+        for mode in modes:
+            rows[mode], results = run_mode(mode, args, workload, Path(log_dir))
+            outputs[mode] = [r["output_ids"] for r in results]
+            if mode != "ar" and "ar" in outputs:
+                rows[mode]["identical_to_ar"] = sum(
+                    mine == plain for mine, plain in zip(outputs[mode], outputs["ar"], strict=True)
+                )
             print(mode, json.dumps(rows[mode]), flush=True)
     after = measure_machine()
     ar = rows.get("ar", {}).get("decode_tok_s")
     print(
         "\n| mode | prefill s | decode tok/s | × AR | / AR floor | accept length | summaries "
-        "computed / reused |"
+        "computed / reused | greedy = AR | needle answered |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for mode, row in rows.items():
         speedup = f"{row['decode_tok_s'] / ar:.2f}" if ar else "-"
         accept = f"{row['accept_length']:.2f}" if row["accept_length"] else "-"
@@ -172,9 +202,15 @@ def main(argv: list[str] | None = None) -> None:
             f"{row['summaries_computed']} / {row['summaries_reused']}"
             if "summaries_computed" in row else "-"
         )  # fmt: skip
+        identical = (
+            f"{row['identical_to_ar']} of {len(workload.prompts)}" if "identical_to_ar" in row
+            else "-"
+        )  # fmt: skip
+        needles = sum(NEEDLE_ANSWER in text for text in row["needle_answers"])
         print(
             f"| {mode} | {row['prefill_s']:.0f} | {row['decode_tok_s']:.1f} | {speedup} | "
-            f"{row['decode_tok_s'] / floor_tok_s:.2f} | {accept} | {shared} |"
+            f"{row['decode_tok_s'] / floor_tok_s:.2f} | {accept} | {shared} | {identical} | "
+            f"{needles} of {len(row['needle_answers'])} |"
         )
     print(f"\nread bandwidth after the servers: {after.bandwidth / 1e9:.1f} GB/s")
     if args.out:
