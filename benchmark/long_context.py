@@ -8,9 +8,9 @@ default.
 
 Each document carries a needle sentence at 3/5 of its length; the first question over it asks
 for the needle. Per server: the documents are prefilled first, one request each (the time is
-reported, not part of decode), then every question at once (`ignore_eos`, greedy): decode tok/s
-is the new tokens over that batch's wall time (the questions' own few tokens and SnapKV's window
-re-prefill included). Every MagicDec mode's outputs are compared with AR's token for token (the
+reported, not part of decode), then each question's own tokens alone (timed apart), then every
+question at once (`ignore_eos`, greedy): decode tok/s is the new tokens over that batch's wall
+time. Every MagicDec mode's outputs are compared with AR's token for token (the
 same ragged batch, so bf16 greedy output must be identical). The AR floor is the tok/s of an
 autoregressive decoder that reads the weights a step reads and every request's KV at the read
 bandwidth measured before the servers.
@@ -110,6 +110,13 @@ def run_mode(mode: str, args, workload: Workload, log_dir: Path) -> tuple[dict, 
             run_batch(server, [document], 1)
         prefill_s = time.perf_counter() - start
         before = magicdec_info(server.url)
+        # Each question's own tokens prefilled alone, so that every server computes the same
+        # prefill bits (a prefill's bits depend on which prompts SGLang groups into one prefill
+        # batch); the batch below then extends one token per request and decodes.
+        start = time.perf_counter()
+        for prompt in workload.prompts:
+            run_batch(server, [prompt], 1)
+        questions_prefill_s = time.perf_counter() - start
         start = time.perf_counter()
         results = run_batch(server, workload.prompts, args.new_tokens)
         decode_s = time.perf_counter() - start
@@ -120,6 +127,7 @@ def run_mode(mode: str, args, workload: Workload, log_dir: Path) -> tuple[dict, 
     rounds = sum(r["meta_info"].get("spec_verify_ct", 0) for r in results)
     row = {
         "prefill_s": prefill_s,
+        "questions_prefill_s": questions_prefill_s,
         "decode_s": decode_s,
         "decode_tok_s": new_tokens / decode_s,
         "accept_length": new_tokens / rounds if rounds else None,
@@ -132,6 +140,11 @@ def run_mode(mode: str, args, workload: Workload, log_dir: Path) -> tuple[dict, 
         if key in after:  # γ = auto's latest decision
             row[key] = after[key]
     return row, results
+
+
+def first_difference(ours: list[int], theirs: list[int]) -> int | None:
+    """The index of the first token where two outputs differ (None where they are equal)."""
+    return next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), None)
 
 
 def ar_floor(workload: Workload, dtype: str, bandwidth: float) -> float:
@@ -184,9 +197,9 @@ def main(argv: list[str] | None = None) -> None:
             rows[mode], results = run_mode(mode, args, workload, Path(log_dir))
             outputs[mode] = [r["output_ids"] for r in results]
             if mode != "ar" and "ar" in outputs:
-                rows[mode]["identical_to_ar"] = sum(
-                    mine == plain for mine, plain in zip(outputs[mode], outputs["ar"], strict=True)
-                )
+                pairs = list(zip(outputs[mode], outputs["ar"], strict=True))
+                rows[mode]["identical_to_ar"] = sum(mine == plain for mine, plain in pairs)
+                rows[mode]["first_difference"] = [first_difference(*pair) for pair in pairs]
             print(mode, json.dumps(rows[mode]), flush=True)
     after = measure_machine()
     ar = rows.get("ar", {}).get("decode_tok_s")
