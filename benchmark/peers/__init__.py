@@ -1,0 +1,1 @@
+"""Other engines measured beside ours on one machine: `python -m benchmark.peers`."""
