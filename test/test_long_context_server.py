@@ -33,7 +33,9 @@ NEW_TOKENS = 24
 @pytest.fixture(scope="module")
 def servers(server_factory):
     """(plain, magicdec): the Qwen model without speculation, and as `make serve` runs it."""
-    pool = ("--max-total-tokens", "70000")
+    # Both load the 0.5B at once, and SGLang's CPU profile charges whatever the machine's free
+    # RAM lost meanwhile to each: at the CPU default of 0.25 two loads can exceed it (CI did).
+    pool = ("--max-total-tokens", "70000", "--mem-fraction-static", "0.6")
     return start_together(
         lambda: server_factory(*pool, model=QWEN_CODER.name),
         lambda: server_factory(*pool, "--speculative-algorithm", "MAGICDEC", model=None),
