@@ -30,7 +30,7 @@ def _greedy_batch(server, prompts):
         return list(pool.map(one, prompts))
 
 
-FP32 = ("--dtype", "float32")
+FP32 = ("--dtype", "float32", "--max-total-tokens", "12000")  # 3 prompts of 2,080 tokens
 
 
 @pytest.fixture(scope="module")

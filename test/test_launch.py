@@ -226,3 +226,23 @@ def test_sglang_launcher_refuses_a_bad_magicdec_value_in_one_line(launch_checks)
     message = str(refused.value.code)
     assert "--magicdec-budget (8) must be larger than --magicdec-sinks (16)" in message
     assert "\n" not in message
+
+
+def test_a_fixed_pool_is_not_failed_by_a_neighbours_memory(launch_checks):
+    """SGLang checks that loading left `--mem-fraction-static` of the free RAM it saw before; on
+    a CPU that RAM is the machine's, so a second server allocating its pool meanwhile fails a 0.25
+    check. Where `--max-total-tokens` sizes the pool, our default keeps only a tenth back."""
+    from sglang.srt.arg_groups.overrides import resolving_view
+    from sglang.srt.server_args import prepare_server_args
+
+    from sglang_magicdec.model import SMOLLM2, embedded_model_path
+    from sglang_magicdec.platforms.cpu import DEFAULT_MEM_FRACTION, FIXED_POOL_MEM_FRACTION
+
+    def fraction(*flags: str) -> float:
+        server_args = prepare_server_args(["--model-path", embedded_model_path(SMOLLM2), *flags])
+        server_args.resolve_once()
+        return resolving_view(server_args).mem_fraction_static
+
+    assert fraction() == DEFAULT_MEM_FRACTION
+    assert fraction("--max-total-tokens", "12000") == FIXED_POOL_MEM_FRACTION
+    assert fraction("--max-total-tokens", "12000", "--mem-fraction-static", "0.5") == 0.5

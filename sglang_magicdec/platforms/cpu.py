@@ -16,6 +16,11 @@ from magicdec_kernels.loader import cpu_flags
 from sglang_magicdec.platforms import ATTENTION_BACKEND
 
 DEFAULT_MEM_FRACTION = 0.25
+# With `--max-total-tokens` the pool's size is the user's; the fraction only checks that loading
+# left enough free RAM. On a CPU that RAM is the whole machine's, so a neighbour allocating while
+# this server loads (a second server zeroing its KV pool) fails a 0.25 check that this server's
+# own weights never would: the check then keeps a tenth of the free RAM back, not three quarters.
+FIXED_POOL_MEM_FRACTION = 0.9
 # CPU flags of native bf16 products (`vdpbf16ps`, AMX tiles): there `--dtype auto` is bfloat16.
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 # SGLang's CPU ranks bind their threads to this, one '|'-separated group per rank; unset, it
@@ -73,7 +78,10 @@ class MagicDecCpuPlatform(CpuDeviceMixin, SRTPlatform):
         if server_args.mem_fraction_static is None:
             # SGLang's GPU default (~0.7 of free memory for KV) would take most of the machine's
             # RAM and make a start take 10+ s just to zero it.
-            server_args.mem_fraction_static = DEFAULT_MEM_FRACTION
+            fixed_pool = server_args.max_total_tokens is not None
+            server_args.mem_fraction_static = (
+                FIXED_POOL_MEM_FRACTION if fixed_pool else DEFAULT_MEM_FRACTION
+            )
 
     def get_kv_pool_cls(self, *, kind: str):
         if kind != "mha":
