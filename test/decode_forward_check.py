@@ -180,7 +180,9 @@ def main(model_path: str, dtype: str) -> None:
                 )
                 ragged = both_paths("ragged_verify", verify_positions[verified])
                 expected = torch.cat([full[b, :w] for b, w in enumerate(widths)])
-                ragged_rows_equal.append(torch.equal(ragged, expected))
+                ragged_rows_equal.append(
+                    [int(verified.sum()), verified.numel(), torch.equal(ragged, expected)]
+                )
             finally:
                 req_to_token[rows, columns] = old_row_entries
                 allocator.free(slots)

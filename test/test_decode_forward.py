@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from magicdec_kernels.cpu_native import FEW_ROWS_MAX
 from magicdec_kernels.loader import native
 from sglang_magicdec.platforms import decode_forward
 
@@ -27,7 +28,8 @@ def test_logits_are_identical_to_sglangs_layers(request, tiny_qwen2, model, dtyp
     builds it (γ = 3 draft DECODE steps over per-layer, per-KV-head slot lists, then the
     TARGET_VERIFY of the 4 tokens, and a ragged one of each request's first 1-4): each forward
     run through both paths on the same batch. A ragged verify row is, bit for bit, the full
-    verify's row of its token (our kernels' rows do not depend on the rows beside them)."""
+    verify's row of its token wherever both run our kernels, whose rows do not depend on the rows
+    beside them (in bf16 on a CPU with AMX, verify passes past 8 rows take oneDNN's product)."""
     if model == "llama":
         folder = request.getfixturevalue("tiny_llama")
     else:
@@ -56,7 +58,15 @@ def test_logits_are_identical_to_sglangs_layers(request, tiny_qwen2, model, dtyp
         assert runs == [[True, 0, 1]] * len(runs), kind
     # Draft and verify forwards take their positions from MagicDecInput, in both paths.
     assert result["positions_taken"] == [True] * 20
-    assert result["ragged_rows_equal"] == [True, True]
+    # [ragged verify's rows, full verify's rows, the ragged rows equal the full verify's] per
+    # round. The claim is our few-row product's, so it is checked where both verify passes run
+    # ours: every round but in bf16 on a CPU with AMX, whose products past 8 rows are oneDNN's
+    # (faster there), with rows that round by their batch (README, CPU).
+    rounds = result["ragged_rows_equal"]
+    assert len(rounds) == 2, rounds
+    for _ragged, full, equal in rounds:
+        if full <= FEW_ROWS_MAX[getattr(torch, dtype)]:
+            assert equal, rounds
 
 
 def _forward_batch(mode: str):
