@@ -81,7 +81,7 @@ def kernel_timings(batch: int = 8, context: int = 8000, layers: int = 8) -> None
     step's linear layers, each beside the time its bytes take at the bandwidth measured here."""
     import torch.nn.functional as F
 
-    from magicdec_kernels.cpu_native import few_rows_linear, slot_attention_torch
+    from magicdec_kernels.cpu_native import slot_attention_torch, supports_few_rows
     from magicdec_kernels.loader import native
     from sglang_magicdec.platforms.torch_ops import weight_major_product
 
@@ -162,15 +162,28 @@ def kernel_timings(batch: int = 8, context: int = 8000, layers: int = 8) -> None
             step = functools.partial(all_layers, inputs=inputs, weights=weights)
             linear_ms = _best_ms(functools.partial(step, F.linear))
             major_ms = _best_ms(functools.partial(step, weight_major_product))
-            native_ms = float("nan")
+            native_ms, served = float("nan"), "F.linear"
             if native() is not None:
-                # The weights are packed at the first (untimed) call.
-                native_ms = _best_ms(functools.partial(step, few_rows_linear))
+                # Called directly, so timed also past the rows the server gives it (bf16 on a
+                # CPU with AMX: 8); the weights are packed at the first (untimed) call.
+                native_ms = _best_ms(functools.partial(step, _few_rows_product))
+                if supports_few_rows(inputs[576], weights[0]):
+                    served = "native"
             print(
                 f"{str(dtype).removeprefix('torch.')} linear layers of {full_layers}, "
                 f"{row_count} rows: F.linear {linear_ms:.1f} ms, weight-major {major_ms:.1f} ms, "
-                f"native {native_ms:.1f} ms ({weight_ms:.1f} ms to read the weights)"
+                f"native {native_ms:.1f} ms ({weight_ms:.1f} ms to read the weights; "
+                f"the server runs {served})"
             )
+
+
+def _few_rows_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The native few-row product at any row count (`few_rows_linear` declines past its limit)."""
+    from magicdec_kernels.cpu_native import packed_rows
+    from magicdec_kernels.loader import native
+
+    out = x.new_empty(x.shape[0], weight.shape[0])
+    return native().few_rows_linear(x, packed_rows(weight), weight.shape[0], out)
 
 
 def _kernel_row(dtype, case: str, floor_s: float, pools, torch_layer, native_layer) -> None:
