@@ -63,6 +63,13 @@ class ServerProcess:
             self.process.wait()
 
 
+# The port is free when chosen, but a server binds it only once loaded (tens of seconds on a
+# CPU); anything binding a free port meanwhile (another server's internal ZMQ ports) may take it
+# first, and then uvicorn logs this and the process hangs in its shutdown instead of exiting.
+BIND_FAILED = "error while attempting to bind on address"
+PORT_ATTEMPTS = 3
+
+
 def start_server(
     args: list[str],
     log_dir: Path,
@@ -74,31 +81,44 @@ def start_server(
     """Launch `launch` on a free loopback port (with `env` added to this process's
     environment) serving `model` where `args` name none: the small embedded model by default,
     which is what the tests and benchmarks run unless their claim needs another (None: the
-    launcher's own default). Raises RuntimeError with the log tail if it fails."""
+    launcher's own default); again on another port if its port was taken before it bound it.
+    Raises RuntimeError with the log tail if it fails."""
     if model is not None and "--model-path" not in args:
         args = ["--model-path", model, *args]
-    port = free_port()
-    log_path = Path(log_dir) / f"server-{port}.log"
-    with log_path.open("w") as log:
-        process = subprocess.Popen(
-            [*launch, "--host", "127.0.0.1", "--port", str(port), *args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=None if env is None else {**os.environ, **env},
-        )
-    server = ServerProcess(f"http://127.0.0.1:{port}", process, log_path)
+    for _attempt in range(PORT_ATTEMPTS):
+        port = free_port()
+        log_path = Path(log_dir) / f"server-{port}.log"
+        with log_path.open("w") as log:
+            process = subprocess.Popen(
+                [*launch, "--host", "127.0.0.1", "--port", str(port), *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=None if env is None else {**os.environ, **env},
+            )
+        server = ServerProcess(f"http://127.0.0.1:{port}", process, log_path)
+        if _wait_until_serving(server, timeout_s):
+            return server
+    raise RuntimeError(f"every port taken before the server bound it:\n{server.log_tail()}")
+
+
+def _wait_until_serving(server: ServerProcess, timeout_s: float) -> bool:
+    """True once the server answers; False (stopped) if its port was taken before it bound it."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log_tail()}")
+        if server.process.poll() is not None:
+            raise RuntimeError(
+                f"server exited with {server.process.returncode}:\n{server.log_tail()}"
+            )
         try:
             # /health answers 200 only once SGLang's own warm-up request has run: traffic sent
             # earlier queues ahead of it, and a warm-up that waits past SGLang's timeout (a long
             # prefill on a CPU) takes the server down.
             if requests.get(f"{server.url}/health", timeout=30).status_code == 200:
-                return server
+                return True
         except requests.RequestException:
-            pass
+            if BIND_FAILED in server.log_tail():
+                server.stop()
+                return False
         time.sleep(1)
     server.stop()
     raise RuntimeError(f"server did not answer within {timeout_s:.0f}s:\n{server.log_tail()}")

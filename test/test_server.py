@@ -3,6 +3,7 @@
 import openai
 import pytest
 import requests
+import sglang  # noqa: F401 - resolves SGLang's platform before platforms.cpu is imported (its rule)
 
 from magicdec_kernels.loader import cpu_flags
 from sglang_magicdec.model import SMOLLM2
@@ -75,3 +76,28 @@ def test_frontend_program_runs_against_runtime_endpoint(server):
     assert "France" in state["country"]
     # The second gen sees the first one's answer in its context: it must repeat it.
     assert "France" in state["again"], state.text()
+
+
+def test_a_port_taken_before_the_server_binds_it_is_retried(tmp_path, monkeypatch):
+    """`start_server` picks a free port, but the server binds it only once loaded: where the port
+    was taken meanwhile (as another server's internal ports once took one on CI), uvicorn fails to
+    bind and the process hangs; the server is started again on another port."""
+    import socket
+
+    from sglang_magicdec import server_process
+
+    with socket.socket() as holder:  # bound, not listening: a bind fails, a connect is refused
+        holder.bind(("127.0.0.1", 0))
+        taken = holder.getsockname()[1]
+        chosen = iter([taken])
+        pick_free = server_process.free_port
+        monkeypatch.setattr(server_process, "free_port", lambda: next(chosen, None) or pick_free())
+        args = ["--dtype", "float32", "--max-total-tokens", "2048"]
+        server = server_process.start_server(args, tmp_path)
+    try:
+        assert server_process.BIND_FAILED in (tmp_path / f"server-{taken}.log").read_text()
+        assert server.url != f"http://127.0.0.1:{taken}"
+        payload = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 4}}
+        assert server.generate(payload)["meta_info"]["completion_tokens"] == 4
+    finally:
+        server.stop()
