@@ -64,8 +64,9 @@ class ServerProcess:
 
 
 # The port is free when chosen, but a server binds it only once loaded (tens of seconds on a
-# CPU); anything binding a free port meanwhile (another server's internal ZMQ ports) may take it
-# first, and then uvicorn logs this and the process hangs in its shutdown instead of exiting.
+# CPU); anything binding a free port meanwhile (e.g. a server starting beside it, which binds
+# ports of its own) may take it first, and then uvicorn logs this and the process hangs in its
+# shutdown instead of exiting.
 BIND_FAILED = "error while attempting to bind on address"
 PORT_ATTEMPTS = 3
 

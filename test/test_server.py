@@ -80,8 +80,9 @@ def test_frontend_program_runs_against_runtime_endpoint(server):
 
 def test_a_port_taken_before_the_server_binds_it_is_retried(tmp_path, monkeypatch):
     """`start_server` picks a free port, but the server binds it only once loaded: where the port
-    was taken meanwhile (as another server's internal ports once took one on CI), uvicorn fails to
-    bind and the process hangs; the server is started again on another port."""
+    was taken meanwhile (as happened on CI while two servers started together; what took it was
+    not logged), uvicorn fails to bind and the process hangs; the server is started again on
+    another port."""
     import socket
 
     from sglang_magicdec import server_process
