@@ -44,6 +44,7 @@ from sglang_magicdec.debug_checks import check_ranks_agree, check_selection
 from sglang_magicdec.drafts.selection import make_selection
 from sglang_magicdec.gamma import GammaController, RoundClock
 from sglang_magicdec.metrics import MagicDecMetrics
+from sglang_magicdec.penalties import RoundPenalties
 from sglang_magicdec.spec_info import (
     DraftPositions,
     DraftRound,
@@ -200,6 +201,8 @@ class MagicDecWorker(BaseSpecWorker):
         round_slots = self._round_slots(batch, committed.device, gamma + 1)
         draft_round = self._draft_round(batch, committed, round_slots)
         acceptor = acceptor_for(batch, gamma, committed.device, self.rng, self.device)
+        penalties = RoundPenalties.of(batch, self.device)
+        draft_penalties = penalties and penalties.copy()
         stop = self._draft_stop(batch, gamma)
         tokens = self._last_tokens(batch)
         confidence = torch.ones(len(batch.reqs), device=tokens.device)
@@ -207,7 +210,11 @@ class MagicDecWorker(BaseSpecWorker):
         steps = 0
         while steps < gamma:
             logits = self._draft_step(batch, committed, steps, tokens, draft_round, round_slots)
+            if draft_penalties is not None:
+                draft_penalties.apply(logits)
             proposed = acceptor.propose(logits, steps)
+            if draft_penalties is not None:
+                draft_penalties.advance(proposed)
             tokens = torch.cat([tokens, proposed[:, None]], dim=1)
             steps += 1
             if stop > 0.0:
@@ -225,6 +232,13 @@ class MagicDecWorker(BaseSpecWorker):
         else:
             draft_lens, widths = None, None
         verify = self._verify(batch, committed, tokens, round_slots, widths)
+        if penalties is not None:
+            # Row j is penalised for the output and drafts 1..j, in place: logprobs read it too.
+            rows = verify.logits_output.next_token_logits.view(len(batch.reqs), tokens.shape[1], -1)
+            for j in range(tokens.shape[1]):
+                if j:
+                    penalties.advance(tokens[:, j])
+                penalties.apply(rows[:, j])
         target, accept_lens = acceptor.accept(
             tokens, verify.logits_output.next_token_logits, draft_lens
         )
@@ -286,6 +300,12 @@ class MagicDecWorker(BaseSpecWorker):
         batch.out_cache_loc = self._round_slots(batch, committed.device, 1)[:, 0]
         self._set_lens(batch, committed, 1)
         batch.spec_info = None
+        penalties = RoundPenalties.of(batch, self.device)
+        if penalties is not None:
+            # SGLang's state missed the tokens of earlier rounds but their last (its copy for
+            # this forward is ours to rewrite; the scheduler keeps its own).
+            batch.sampling_info.acc_additive_penalties = penalties.additive()
+            batch.sampling_info.acc_scaling_penalties = penalties.scaling()
         result = self.target_worker.forward_batch_generation(batch)
         self._take_seeded_tokens(batch, result, committed.device)
         self.gamma_control.record_decode(clock)
@@ -368,16 +388,15 @@ class MagicDecWorker(BaseSpecWorker):
     # -- γ per batch ---------------------------------------------------------------------------
 
     def _can_speculate(self, batch: ScheduleBatch) -> bool:
-        """Greedy and sampled requests speculate. Whatever rewrites the target's logits per
-        token (penalties, logit bias, custom logit processors, grammars) takes a plain decode
-        step, and so does sampling with logprobs: SGLang reports those from its own sampler."""
+        """Greedy and sampled requests speculate, penalties included (`RoundPenalties`).
+        What rewrites the target's logits in ways a round does not follow (logit bias, custom
+        logit processors, grammars) takes a plain decode step, and so does sampling with
+        logprobs: SGLang reports those from its own sampler."""
         info = batch.sampling_info
-        penalties = info.penalizer_orchestrator
         return (
             not batch.has_grammar
             and info.logit_bias is None
             and not info.has_custom_logit_processor
-            and (penalties is None or not penalties.is_required)
             and (info.is_all_greedy or not batch.return_logprob)
         )
 

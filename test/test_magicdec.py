@@ -7,6 +7,7 @@ every draft selection against the request's live KV slots.
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,38 @@ def test_greedy_identical_to_autoregressive_in_one_ragged_batch(spec, plain, lon
     accept_lengths = {round(r["meta_info"]["spec_accept_length"], 3) for r in spec_results}
     assert len(accept_lengths) > 1, "acceptance lengths should differ inside the batch"
     assert all(r["meta_info"]["spec_verify_ct"] > 0 for r in spec_results)
+
+
+PENALTIES = [
+    {},
+    {"repetition_penalty": 1.1},
+    {"frequency_penalty": 0.3},
+    {"presence_penalty": 0.5},
+    {"repetition_penalty": 1.3, "frequency_penalty": 0.2, "presence_penalty": 0.2},
+]
+
+
+def test_penalties_speculate_and_commit_the_plain_servers_tokens(spec, plain, long_prompts):
+    """Greedy requests with penalties, in one batch beside one without: every output is the
+    plain server's token for token (each chain position penalised for the output and the drafts
+    before it), the penalties change the output, and the requests still speculate."""
+    prompts = long_prompts[: len(PENALTIES)]
+
+    def run(server) -> list[dict]:
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            calls = [
+                pool.submit(greedy, server, prompt, 48, ignore_eos=True, **penalty)
+                for prompt, penalty in zip(prompts, PENALTIES, strict=True)
+            ]
+        return [call.result() for call in calls]
+
+    spec_results, plain_results = run(spec), run(plain)
+    unpenalised = greedy(plain, prompts[1], 48, ignore_eos=True)["output_ids"]
+    for penalty, got, expected in zip(PENALTIES, spec_results, plain_results, strict=True):
+        assert got["output_ids"] == expected["output_ids"], f"{penalty}"
+        assert got["meta_info"]["spec_verify_ct"] > 0, f"{penalty}: no speculative round"
+        assert got["meta_info"]["spec_accept_length"] > 1.0, f"{penalty}"
+    assert plain_results[1]["output_ids"] != unpenalised, "repetition_penalty changed nothing"
 
 
 def test_streaming_acceptance_matches_reference(streaming_pg19_run):
