@@ -81,6 +81,7 @@ def kernel_timings(batch: int = 8, context: int = 8000, layers: int = 8) -> None
     step's linear layers, each beside the time its bytes take at the bandwidth measured here."""
     import torch.nn.functional as F
 
+    from benchmark.floors import read_bandwidth
     from magicdec_kernels.cpu_native import slot_attention_torch, supports_few_rows
     from magicdec_kernels.loader import native
     from sglang_magicdec.platforms.torch_ops import weight_major_product
@@ -90,9 +91,7 @@ def kernel_timings(batch: int = 8, context: int = 8000, layers: int = 8) -> None
         native().slot_attention(q, k, v, q_indptr, head_slots, kv_lens, 0.125, out)
 
     kv_heads, group, head_dim, budget = 3, 3, 64, 512
-    data = torch.ones(2**28)
-    bandwidth = data.numel() * 4 / (_best_ms(data.sum) / 1000)
-    del data
+    bandwidth = read_bandwidth()
     stride = context + 16
     rows = batch * stride
     print(

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from benchmark.common import DEFAULT_DATA, magicdec_info, run_batch
-from benchmark.roofline import measure_machine
+from benchmark.floors import ModelShape, ar_floor_tok_s, measure_machine
 from sglang_magicdec.model import QWEN_CODER, embedded_model_path
 from sglang_magicdec.server_process import start_server
 
@@ -149,21 +148,9 @@ def first_difference(ours: list[int], theirs: list[int]) -> int | None:
 
 
 def ar_floor(workload: Workload, dtype: str, bandwidth: float) -> float:
-    """tok/s of a decoder reading, per step, every weight but the input embedding (a row per
-    token; the LM head is separate in this model) and every request's KV, at `bandwidth`."""
-    from safetensors import safe_open
-
-    folder = Path(embedded_model_path(QWEN_CODER))
-    config = json.loads((folder / "config.json").read_text())
-    element = 2 if dtype == "bfloat16" else 4
-    with safe_open(str(folder / "model.safetensors"), "pt") as weights:
-        params = sum(math.prod(weights.get_slice(name).get_shape()) for name in weights.keys())
-    embedding = config["vocab_size"] * config["hidden_size"]
-    head_dim = config["hidden_size"] // config["num_attention_heads"]
-    kv_per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim
-    kv_tokens = sum(len(prompt) for prompt in workload.prompts)
-    step_bytes = ((params - embedding) + kv_tokens * kv_per_token) * element
-    return len(workload.prompts) / (step_bytes / bandwidth)
+    """The AR floor (`floors.ar_floor_tok_s`) of the workload's prompts, each at its length."""
+    model = ModelShape.of(embedded_model_path(QWEN_CODER))
+    return ar_floor_tok_s(model, dtype, [len(prompt) for prompt in workload.prompts], bandwidth)
 
 
 def table(rows: dict[str, dict], floor_tok_s: float, prompts: int) -> str:

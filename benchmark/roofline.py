@@ -2,6 +2,7 @@
 
     .venv/bin/python -m benchmark.roofline                      # bf16, batch 8 x 7,936, γ = 3
     .venv/bin/python -m benchmark.roofline --dtype float32 --batch 4
+    .venv/bin/python -m benchmark.roofline --model-path qwen2.5-coder-0.5b-instruct --context 16000
 
 The machine: its read bandwidth (a torch sum over 1 GiB of float32, both cores) and its GEMM
 peaks in bf16 and float32 (torch.mm of 2048², oneDNN), each the best of several tries, measured
@@ -19,10 +20,11 @@ peak, both measured above:
 - throughput: AR and MagicDec tokens/s against the AR floor's (a decoder that only reads weights
   and KV at the measured bandwidth, one token per request per step).
 
-Floors count what a step must read and compute: every weight once (the LM head included), the KV
-of every position a row attends to (a draft: the budget's prompt positions, the tokens generated
-so far and the round's; a verify: the context and its γ + 1 rows), and 2 FLOPs per weight per row
-and 4 per attended (row, key, head dim) per query head. A part's linear time is the native
+Floors (`floors.py`, as every benchmark's) count what a step must read and compute: every weight
+once (an untied input embedding only per token), the KV of every position a row attends to (a
+draft: the budget's prompt positions, the tokens generated so far and the round's; a verify: the
+context and its γ + 1 rows), and 2 FLOPs per weight per row and 4 per attended (row, key, head
+dim) per query head. A part's linear time is the native
 product's, so where a part's rows take torch's path (bf16 past 8 rows on a CPU with AMX) its linear
 time is in "rest".
 """
@@ -34,104 +36,30 @@ import json
 import os
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from benchmark import round_timers
-from benchmark.common import DEFAULT_DATA, best_seconds, load_tokenizer, run_batch
-from benchmark.suite import DTYPE_BYTES, MAGICDEC_BUDGET, load_prompts
-from sglang_magicdec.model import SMOLLM2, embedded_model_path
+from benchmark.common import DEFAULT_DATA, run_batch
+from benchmark.floors import (
+    DTYPE_BYTES,
+    GEMM_SIZE,
+    Machine,
+    ModelShape,
+    ar_floor_tok_s,
+    measure_machine,
+    step_floors,
+)
+from benchmark.suite import MAGICDEC_BUDGET, load_prompts
+from sglang_magicdec.model import SMOLLM2, embedded_model, embedded_model_path
 from sglang_magicdec.server_process import start_server
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-GEMM_SIZE = 2048
 
 
-@dataclass(frozen=True)
-class Machine:
-    bandwidth: float  # bytes/s
-    peak: dict[str, float]  # FLOP/s by dtype
-
-    def floor(self, read_bytes: float, flops: float, dtype: str) -> tuple[float, str]:
-        """(seconds, what bounds them)."""
-        read_s, compute_s = read_bytes / self.bandwidth, flops / self.peak[dtype]
-        return (read_s, "bytes") if read_s >= compute_s else (compute_s, "FLOPs")
-
-
-def measure_machine() -> Machine:
-    data = torch.ones(2**28)
-    bandwidth = data.numel() * 4 / best_seconds(data.sum)
-    del data
-    peak = {}
-    for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
-        a = torch.randn(GEMM_SIZE, GEMM_SIZE).to(dtype)
-        b = torch.randn(GEMM_SIZE, GEMM_SIZE).to(dtype)
-        peak[name] = 2 * GEMM_SIZE**3 / best_seconds(lambda a=a, b=b: torch.mm(a, b))
-    return Machine(bandwidth, peak)
-
-
-@dataclass(frozen=True)
-class Model:
-    """What a step of the embedded model reads and computes."""
-
-    params: int  # every weight, the (tied) LM head included: each is read once per step
-    layers: int
-    q_heads: int
-    kv_heads: int
-    head_dim: int
-
-    @classmethod
-    def embedded(cls) -> Model:
-        from safetensors import safe_open
-
-        folder = Path(embedded_model_path(SMOLLM2))
-        config = json.loads((folder / "config.json").read_text())
-        params = 0
-        for path in folder.glob("*.safetensors"):
-            with safe_open(str(path), "pt") as tensors:
-                for name in tensors.keys():
-                    shape = tensors.get_slice(name).get_shape()
-                    params += int(torch.tensor(shape).prod()) if shape else 1
-        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        return cls(
-            params,
-            config["num_hidden_layers"],
-            config["num_attention_heads"],
-            config["num_key_value_heads"],
-            head_dim,
-        )
-
-    def kv_bytes(self, keys: float, element: int) -> float:
-        return 2 * self.layers * self.kv_heads * self.head_dim * keys * element
-
-    def attention_flops(self, rows_times_keys: float) -> float:
-        return 4 * self.layers * self.q_heads * self.head_dim * rows_times_keys
-
-
-@dataclass(frozen=True)
-class Floors:
-    """A step's floor, whole and by part (seconds, what bounds them)."""
-
-    step: tuple[float, str]
-    linear: tuple[float, str]
-    attention: tuple[float, str]
-
-
-def step_floors(
-    machine: Machine, model: Model, dtype: str, rows: int, keys_read: float, row_keys: float
-) -> Floors:
-    """`rows` token rows through every weight; `keys_read` KV positions read (all layers, all
-    requests); `row_keys` the sum over rows of the keys each attends to."""
-    element = DTYPE_BYTES[dtype]
-    weight_bytes, linear_flops = model.params * element, 2 * model.params * rows
-    kv_bytes, attention_flops = model.kv_bytes(keys_read, element), model.attention_flops(row_keys)
-    return Floors(
-        machine.floor(weight_bytes + kv_bytes, linear_flops + attention_flops, dtype),
-        machine.floor(weight_bytes, linear_flops, dtype),
-        machine.floor(kv_bytes, attention_flops, dtype),
-    )
+def model_folder(name_or_path: str) -> str:
+    """An embedded model's folder by name, or the folder given."""
+    model = embedded_model(name_or_path)
+    return embedded_model_path(model) if model is not None else name_or_path
 
 
 def timed_run(server_args: list[str], env: dict, prompts, new_tokens: int, workdir: Path) -> dict:
@@ -189,25 +117,33 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=7936)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--gamma", type=int, default=3)
+    parser.add_argument(
+        "--model-path",
+        default=SMOLLM2.name,
+        help="an embedded model's name (smollm2-135m-instruct, qwen2.5-coder-0.5b-instruct) or "
+        "a model folder",
+    )
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--out", type=Path, help="also write the numbers as JSON here")
     args = parser.parse_args()
 
+    from transformers import AutoTokenizer
+
     before = measure_machine()
-    model = Model.embedded()
-    prompts = load_prompts(args.data, args.context, args.batch, load_tokenizer())
+    folder = model_folder(args.model_path)
+    model = ModelShape.of(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    prompts = load_prompts(args.data, args.context, args.batch, tokenizer)
     batch, context, gamma, dtype = args.batch, args.context, args.gamma, args.dtype
     pool = batch * (args.context + 2 * args.new_tokens + 64)
-    common = ["--dtype", dtype, "--max-total-tokens", str(pool), "--mem-fraction-static", "0.6"]
+    common = ["--model-path", folder, "--dtype", dtype, "--max-total-tokens", str(pool)]
+    common += ["--mem-fraction-static", "0.6"]
     workdir = Path(tempfile.mkdtemp(prefix="roofline-"))
     ar = timed_run(common, {round_timers.TARGET_ENV: "1"}, prompts, args.new_tokens, workdir / "ar")
     speculative = ["--speculative-algorithm", "MAGICDEC", "--speculative-num-steps", str(gamma)]
     md = timed_run(common + speculative, {}, prompts, args.new_tokens, workdir / "magicdec")
     after = measure_machine()
-    machine = Machine(
-        max(before.bandwidth, after.bandwidth),
-        {name: max(before.peak[name], after.peak[name]) for name in before.peak},
-    )
+    machine = before.better(after)
 
     # The mean context over the timed tokens; a draft reads the budget, the generated tokens so
     # far and the round's (`benchmark.suite.step_cost_table` counts them alike).
@@ -238,7 +174,7 @@ def main() -> None:
     draft_step, verify_pass = per_call(md, "_draft_step"), per_call(md, "_verify")
     tokens = batch * args.new_tokens
     ar_tok_s, md_tok_s = tokens / ar["wall"], tokens / md["wall"]
-    floor_tok_s = batch / plain.step[0]
+    floor_tok_s = ar_floor_tok_s(model, dtype, [mean_context] * batch, machine.bandwidth)
 
     def described(m: Machine) -> str:
         return (
@@ -250,8 +186,8 @@ def main() -> None:
         f"before the servers: {described(before)}; after: {described(after)}; floors from the "
         f"better of each (ridge {dtype}: {machine.peak[dtype] / machine.bandwidth:.1f} FLOP/byte)",
         f"{dtype}, batch {batch} x {context}, {args.new_tokens} tokens, γ = {gamma}: "
-        f"{model.params / 1e6:.0f}M weights, KV {model.kv_bytes(1, DTYPE_BYTES[dtype]) / 1e3:.1f}"
-        f" kB per token",
+        f"{Path(folder).name}: {model.weights / 1e6:.0f}M weights read per step, KV "
+        f"{model.kv_bytes_per_token(dtype) / 1e3:.1f} kB per token",
         "",
         "| part | ms | floor ms | bound by | / floor |",
         "|---|---|---|---|---|",

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import subprocess
 import sys
@@ -43,7 +42,9 @@ from benchmark.common import (
     run_batch,
     save_plot,
 )
+from benchmark.floors import DTYPE_BYTES, ModelShape, read_bandwidth, read_seconds
 from sglang_magicdec.cost_model import CostModel, bucket_key
+from sglang_magicdec.model import SMOLLM2, embedded_model_path
 from sglang_magicdec.server_process import ServerProcess, start_server
 
 SOURCE_FILE = {1024: "pg19_4K", 2048: "pg19_4K", 4096: "pg19_8K", 8192: "pg19_16K"}
@@ -52,7 +53,6 @@ SPECULATIVE = ["--speculative-algorithm", "MAGICDEC"]
 # only caps it: at the platform's default fraction, 16 × 7,936 float32 tokens do not fit beside
 # a second server. Two servers of the largest point fit this machine's 24 GiB at 0.6.
 POOL_MEM_FRACTION = "0.6"
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 MAGICDEC_BUDGET = 512  # the server's default --magicdec-budget
 
 
@@ -168,45 +168,14 @@ def is_auto(mode: str) -> bool:
     return mode.startswith("auto")
 
 
-def read_bandwidth() -> float:
-    """Bytes/s this machine reads: a torch sum over 1 GiB, the best of 5."""
-    import torch
-
-    data = torch.ones(2**28)
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        data.sum()
-        best = min(best, time.perf_counter() - start)
-    return data.numel() * data.element_size() / best
-
-
-def model_bytes(dtype: str) -> tuple[int, int]:
-    """(weight bytes, KV bytes per token over all layers) of the embedded model served in
-    `dtype`."""
-    from safetensors import safe_open
-
-    from sglang_magicdec.model import SMOLLM2, embedded_model_path
-
-    element = DTYPE_BYTES[dtype]
-    folder = Path(embedded_model_path(SMOLLM2))
-    config = json.loads((folder / "config.json").read_text())
-    params = 0
-    for path in folder.glob("*.safetensors"):
-        with safe_open(str(path), "pt") as tensors:
-            params += sum(math.prod(tensors.get_slice(name).get_shape()) for name in tensors.keys())
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    kv_per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim
-    return params * element, kv_per_token * element
-
-
 def step_cost_table(
     points: list[dict], bandwidth: float, budget: int, new_tokens: int, dtype: str
 ) -> str:
     """Each γ = auto point's measured plain and draft step against the time to read its bytes
     (weights + the KV it reads) at the measured bandwidth, and its whole rounds per γ against a
     plain step (MagicDec's premise: a round costs about one plain step plus γ cheap drafts)."""
-    weights, kv_per_token = model_bytes(dtype)
+    model = ModelShape.of(embedded_model_path(SMOLLM2))
+    weights, kv_per_token = model.weight_bytes(dtype), model.kv_bytes_per_token(dtype)
     lines = [
         f"Read bandwidth (torch sum over 1 GiB, best of 5): {bandwidth / 1e9:.1f} GB/s; weights "
         f"{weights / 1e6:.0f} MB, KV {kv_per_token / 1e3:.1f} kB per token (all layers).\n",
@@ -218,10 +187,10 @@ def step_cost_table(
         if not is_auto(point["mode"]) or point["decode_ms"] is None:
             continue
         batch, context = point["batch"], point["context"]
-        plain_floor = (weights + batch * (context + new_tokens / 2) * kv_per_token) / bandwidth
+        plain_floor = read_seconds(model, dtype, batch * (context + new_tokens / 2), bandwidth)
         # The draft reads its budget of prompt KV, the tokens generated so far and the round's.
         draft_tokens = min(context, budget) + new_tokens / 2
-        draft_floor = (weights + batch * draft_tokens * kv_per_token) / bandwidth
+        draft_floor = read_seconds(model, dtype, batch * draft_tokens, bandwidth)
         draft_ms = point["draft_ms"]
         rounds = ", ".join(
             f"γ={gamma}: {ms:.0f} ({ms / point['decode_ms']:.2f})"

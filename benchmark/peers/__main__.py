@@ -44,8 +44,9 @@ from pathlib import Path
 import requests
 
 from benchmark.common import DEFAULT_DATA, load_tokenizer
+from benchmark.floors import ModelShape, read_bandwidth
 from benchmark.peers.engines import LlamaCpp, PeerUnavailable, Vllm
-from benchmark.suite import load_prompts, model_bytes, read_bandwidth
+from benchmark.suite import load_prompts
 from sglang_magicdec.model import SMOLLM2, cache_root, embedded_model_path, part_paths
 from sglang_magicdec.server_process import LAUNCH, start_server
 
@@ -132,7 +133,8 @@ def server_for(engine, mode: str, workload: Workload, models: dict[str, Path], l
         if mode == "magicdec":
             flags += ["--speculative-algorithm", "MAGICDEC"]
         return start_server(flags, log_dir, timeout_s=START_TIMEOUT_S, launch=LAUNCH)
-    kv_gib = max(1, -(-batch * workload.max_len * model_bytes(workload.dtype)[1] // 2**30))
+    kv_per_token = smollm2_shape().kv_bytes_per_token(workload.dtype)
+    kv_gib = max(1, -(-batch * workload.max_len * kv_per_token // 2**30))
     args = engine.args(mode, models, workload.max_len, batch, workload.dtype)
     return start_server(
         args, log_dir, timeout_s=START_TIMEOUT_S, env=engine.env(kv_gib),
@@ -148,14 +150,19 @@ def precision(key: str, dtype: str) -> str:
 
 def floor_tok_s(key: str, batch: int, workload: Workload, bandwidth: float,
                 models: dict[str, Path]) -> float:  # fmt: skip
-    weights, kv_per_token = model_bytes(workload.dtype)
+    model, dtype = smollm2_shape(), workload.dtype
+    weights, kv_per_token = model.weight_bytes(dtype), model.kv_bytes_per_token(dtype)
     stored = precision(key, workload.dtype)
     if stored in QUANTISED:
         weights = models[stored].stat().st_size  # the file is its tensors, to within KBs
     if key.startswith("llama.cpp/"):
-        kv_per_token = model_bytes("bfloat16")[1]  # its KV cache is f16 whatever the weights
+        kv_per_token = model.kv_bytes_per_token("bfloat16")  # f16 KV whatever the weights
     step_bytes = weights + batch * workload.context * kv_per_token
     return batch / (step_bytes / bandwidth)
+
+
+def smollm2_shape() -> ModelShape:
+    return ModelShape.of(embedded_model_path(SMOLLM2))
 
 
 def main(argv: list[str] | None = None) -> None:
