@@ -48,13 +48,18 @@ def read_bandwidth() -> float:
 
 
 def measure_machine() -> Machine:
-    """The read bandwidth and the GEMM peaks (torch.mm of 2048², oneDNN) in bf16 and float32."""
+    """The read bandwidth and the GEMM peaks (torch.mm of 2048², oneDNN) in bf16 and float32.
+    A bf16 product can always run as float32 on its widened operands (our kernels do so where
+    the CPU has no bf16 products), so the bf16 peak is never taken below the float32 one: on
+    such a CPU oneDNN's bf16 GEMM is emulated and several times slower, and a floor from it
+    would be one our kernels beat (`benchmark/results/roofline/`)."""
     peak = {}
-    for name in DTYPE_BYTES:
+    for name in ("float32", "bfloat16"):
         dtype = getattr(torch, name)
         a = torch.randn(GEMM_SIZE, GEMM_SIZE).to(dtype)
         b = torch.randn(GEMM_SIZE, GEMM_SIZE).to(dtype)
         peak[name] = 2 * GEMM_SIZE**3 / best_seconds(lambda a=a, b=b: torch.mm(a, b))
+    peak["bfloat16"] = max(peak["bfloat16"], peak["float32"])
     return Machine(read_bandwidth(), peak)
 
 

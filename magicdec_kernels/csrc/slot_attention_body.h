@@ -104,6 +104,26 @@ struct Widened {
   using T = KV;
   static inline void scores(const KV* const* kp, int D, int rows, Scratch& sc) {
     // The block's keys transposed to [D, KB], then KB scores per row by broadcast-FMA.
+    if constexpr (std::is_same_v<KV, bf16_bits>) {
+      if (D % (2 * W) == 0) {
+        // bf16 keys transposed as 32-bit pairs of dims (half the transposes of widened rows,
+        // and no widening shuffles), each pair then split into its two widened dims: the same
+        // [D, KB] floats, so the same scores bit for bit.
+        for (int half = 0; half < KB; half += W) {
+          for (int d0 = 0; d0 < D; d0 += 2 * W) {
+            V t[W];
+            for (int j = 0; j < W; ++j) t[j] = Ops::load_words(kp[half + j] + d0);
+            Ops::transpose(t);
+            for (int i = 0; i < W; ++i) {
+              Ops::store(sc.kt + (d0 + 2 * i) * KB + half, Ops::pair_half(t[i], 0));
+              Ops::store(sc.kt + (d0 + 2 * i + 1) * KB + half, Ops::pair_half(t[i], 1));
+            }
+          }
+        }
+        score_rows(sc.q, D, sc.kt, rows, sc.s);
+        return;
+      }
+    }
     for (int half = 0; half < KB; half += W) {
       for (int d0 = 0; d0 < D; d0 += W) {
         V t[W];

@@ -62,11 +62,16 @@ struct Ops {
   static inline V widen16(__m256i half) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
   }
-  // W pairs of bf16 at p (2W elements): the first (half 0) or second (half 1) of each, widened.
+  // W pairs of bf16 at p (2W elements), each pair one 32-bit lane (the bits as they are).
+  static inline V load_words(const bf16_bits* p) { return _mm512_loadu_ps(p); }
+  // The first (half 0) or second (half 1) bf16 of each pair in `words`, widened.
+  static inline V pair_half(V words, int half) {
+    const __m512i w = _mm512_castps_si512(words);
+    return _mm512_castsi512_ps(half == 0 ? _mm512_slli_epi32(w, 16)
+                                         : _mm512_and_si512(w, _mm512_set1_epi32(-65536)));
+  }
   static inline V load_pair_half(const bf16_bits* p, int half) {
-    const __m512i words = _mm512_loadu_si512(p);
-    return _mm512_castsi512_ps(half == 0 ? _mm512_slli_epi32(words, 16)
-                                         : _mm512_and_si512(words, _mm512_set1_epi32(-65536)));
+    return pair_half(load_words(p), half);
   }
   static inline void store(float* p, V x) { _mm512_storeu_ps(p, x); }
   static inline V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
@@ -144,10 +149,16 @@ struct Ops {
     const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
   }
+  static inline V load_words(const bf16_bits* p) {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+  }
+  static inline V pair_half(V words, int half) {
+    const __m256i w = _mm256_castps_si256(words);
+    return _mm256_castsi256_ps(half == 0 ? _mm256_slli_epi32(w, 16)
+                                         : _mm256_and_si256(w, _mm256_set1_epi32(-65536)));
+  }
   static inline V load_pair_half(const bf16_bits* p, int half) {
-    const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm256_castsi256_ps(half == 0 ? _mm256_slli_epi32(words, 16)
-                                         : _mm256_and_si256(words, _mm256_set1_epi32(-65536)));
+    return pair_half(load_words(p), half);
   }
   static inline void store(float* p, V x) { _mm256_storeu_ps(p, x); }
   static inline V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
@@ -234,6 +245,20 @@ struct Ops {
     V r;
     for (int i = 0; i < W; ++i) r.x[i] = widen(p[i]);
     return r;
+  }
+  static inline V load_words(const bf16_bits* p) {
+    V r;
+    std::memcpy(r.x, p, sizeof(r.x));
+    return r;
+  }
+  static inline V pair_half(V words, int half) {
+    for (int i = 0; i < W; ++i) {
+      uint32_t w;
+      std::memcpy(&w, &words.x[i], sizeof(w));
+      w = half == 0 ? w << 16 : w & 0xFFFF0000u;
+      std::memcpy(&words.x[i], &w, sizeof(w));
+    }
+    return words;
   }
   static inline V load_pair_half(const bf16_bits* p, int half) {
     V r;
