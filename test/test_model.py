@@ -94,6 +94,22 @@ def test_the_qwen_model_is_the_32k_qwen2_with_its_chat_template():
     assert prompt.endswith("<|im_start|>assistant\n")
 
 
+def test_the_qwen_model_carries_its_published_sampling_defaults():
+    """SGLang reads a model's default sampling from its folder (`--sampling-defaults model`):
+    Qwen2.5-Coder-Instruct's published settings, which the GGUF file does not carry."""
+    from sglang.srt.configs.model_config import ModelConfig
+
+    folder = model.embedded_model_path(model.QWEN_CODER)
+    config = ModelConfig(folder, sampling_defaults="model")
+    assert config.get_default_sampling_params() == {
+        "repetition_penalty": 1.05,
+        "temperature": 0.7,
+        "top_k": 20,
+        "top_p": 0.8,
+    }
+    assert {151645, 151643} <= config.hf_eos_token_id
+
+
 @pytest.mark.parametrize(
     "name, kwargs, feature",
     [
