@@ -24,7 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-from sglang.srt.sampling.penaltylib.repetition_penalty import apply_scaling_penalties
 
 from sglang_magicdec.spec_info import to_device
 
@@ -45,6 +44,9 @@ class RoundPenalties:
     presence_sums: torch.Tensor | None  # [B, V] the presence penalty where a token occurred
     repetition_scales: torch.Tensor | None  # [B, V] the repetition penalty there, else 1
     output_lens: torch.Tensor  # [B, 1] int64: output tokens counted, drafts included
+    # [B, L] int64: every token counted (repeats included), padded with 0; a penalty changes
+    # the logits of these tokens only (and of the stop tokens).
+    occurrences: torch.Tensor
 
     @classmethod
     def of(cls, batch, device: torch.device | str) -> RoundPenalties | None:
@@ -77,20 +79,20 @@ class RoundPenalties:
         # Every output token as an index; padding goes to an extra column, dropped after.
         vocab = info.vocab_size
         width = max(int(lens.max()), 1)
-        occurrences = torch.full((len(outputs), width), vocab, dtype=torch.int64)
+        padded = torch.full((len(outputs), width), vocab, dtype=torch.int64)
         for row, ids in enumerate(outputs):
-            occurrences[row, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
-        occurrences = to_device(occurrences, device)
+            padded[row, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+        padded = to_device(padded, device)
 
         def counted(penalty: torch.Tensor | None, fill: float, add: bool) -> torch.Tensor | None:
             if penalty is None:
                 return None
             sums = torch.full((len(outputs), vocab + 1), fill, dtype=torch.float32, device=device)
-            src = penalty.expand(occurrences.shape)
+            src = penalty.expand(padded.shape)
             if add:
-                sums.scatter_add_(1, occurrences, src)
+                sums.scatter_add_(1, padded, src)
             else:
-                sums.scatter_(1, occurrences, src)
+                sums.scatter_(1, padded, src)
             return sums[:, :vocab].contiguous()
 
         return cls(
@@ -103,6 +105,7 @@ class RoundPenalties:
             presence_sums=counted(presence, 0.0, add=False),
             repetition_scales=counted(repetition, 1.0, add=False),
             output_lens=to_device(lens[:, None], device),
+            occurrences=torch.where(padded == vocab, 0, padded),
         )
 
     def additive(self) -> torch.Tensor:
@@ -132,10 +135,27 @@ class RoundPenalties:
         return None if self.repetition_scales is None else self.repetition_scales.clone()
 
     def apply(self, logits: torch.Tensor) -> None:
-        """Penalise [B, V] logits (a view is fine) in place, as SGLang's sampler does."""
-        logits.add_(self.additive())
+        """Penalise [B, V] logits (a view is fine) in place, as SGLang's sampler does. Only the
+        counted tokens' logits change (their additive penalty, then their scaling, element by
+        element as SGLang computes them; elsewhere SGLang adds 0 and divides by 1), so only
+        those are rewritten: a repeated or padding index writes the same value again. The stop
+        tokens' -inf stays -inf however it is scaled."""
+        index = self.occurrences
+        values = logits.gather(1, index)
+        if self.frequency_sums is not None or self.presence_sums is not None:
+            additive = torch.zeros_like(values)
+            if self.frequency_sums is not None:
+                additive.sub_(self.frequency_sums.gather(1, index))
+            if self.presence_sums is not None:
+                additive.sub_(self.presence_sums.gather(1, index))
+            values.add_(additive)
         if self.repetition_scales is not None:
-            apply_scaling_penalties(logits, self.repetition_scales)
+            scales = self.repetition_scales.gather(1, index)
+            values = torch.where(values < 0, values * scales, values / scales)
+        logits.scatter_(1, index, values)
+        if self.min_new_tokens is not None:
+            short = self.output_lens < self.min_new_tokens
+            logits.add_(torch.where(short, self.stop_penalties, 0.0))
 
     def advance(self, tokens: torch.Tensor) -> None:
         """Count `tokens` [B], the next token of each request's chain, as the penalizers'
@@ -148,6 +168,7 @@ class RoundPenalties:
         if self.repetition_scales is not None:
             self.repetition_scales.scatter_(1, index, self.repetition)
         self.output_lens = self.output_lens + 1
+        self.occurrences = torch.cat([self.occurrences, index], dim=1)
 
     def copy(self) -> RoundPenalties:
         """An independent state at the same position (the draft advances one, the verify
