@@ -68,6 +68,7 @@ class ModelShape:
     """What a decode step of a model reads and computes."""
 
     weights: int  # parameters a step reads (see the module's docstring)
+    lm_head: int  # of which the LM head's (a tied embedding's)
     layers: int
     q_heads: int
     kv_heads: int
@@ -92,8 +93,13 @@ class ModelShape:
             if not (untied and name.endswith("embed_tokens.weight"))
         )
         heads = config["num_attention_heads"]
+        head_name = "lm_head.weight" if untied else "embed_tokens.weight"
+        lm_head = next(
+            math.prod(shape) for name, shape in shapes.items() if name.endswith(head_name)
+        )
         return cls(
             weights=weights,
+            lm_head=lm_head,
             layers=config["num_hidden_layers"],
             q_heads=heads,
             kv_heads=config["num_key_value_heads"],
@@ -122,11 +128,21 @@ class Floors:
 
 
 def step_floors(
-    machine: Machine, model: ModelShape, dtype: str, rows: int, keys_read: float, row_keys: float
+    machine: Machine,
+    model: ModelShape,
+    dtype: str,
+    rows: int,
+    keys_read: float,
+    row_keys: float,
+    head_rows: int | None = None,
 ) -> Floors:
-    """`rows` token rows through every weight; `keys_read` KV positions read (all requests);
-    `row_keys` the sum over rows of the keys each attends to."""
-    weight_bytes, linear_flops = model.weight_bytes(dtype), 2 * model.weights * rows
+    """`rows` token rows through every weight, `head_rows` of them through the LM head (all by
+    default; a prefill computes logits for each request's last row only); `keys_read` KV
+    positions read or written (all requests); `row_keys` the sum over rows of the keys each
+    attends to."""
+    head_rows = rows if head_rows is None else head_rows
+    weight_bytes = model.weight_bytes(dtype)
+    linear_flops = 2 * (model.weights - model.lm_head) * rows + 2 * model.lm_head * head_rows
     kv_bytes = keys_read * model.kv_bytes_per_token(dtype)
     attention_flops = model.attention_flops(row_keys)
     return Floors(

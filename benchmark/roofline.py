@@ -16,6 +16,7 @@ peak, both measured above:
 - plain step (the AR server's decode forward), draft step and verify, each split into the linear
   layers and LM head (the native few-row product), attention (the native slot attention) and the
   rest (norms, rotary, sampling, Python);
+- the prefill of the prompts (the AR server's, all sent at once) against its FLOP floor;
 - the scheduler outside the worker, per decode batch (no floor: the target is ≤ 15 ms);
 - throughput: AR and MagicDec tokens/s against the AR floor's (a decoder that only reads weights
   and KV at the measured bandwidth, one token per request per step).
@@ -64,7 +65,8 @@ def model_folder(name_or_path: str) -> str:
 
 def timed_run(server_args: list[str], env: dict, prompts, new_tokens: int, workdir: Path) -> dict:
     """Start a server with the round timers, warm it, time one batch: the timer deltas, the wall
-    time and the decode batches it took."""
+    time and the decode batches it took, and the prompts' prefill (all at once, after a short
+    warm-up prompt that shares no prefix with them)."""
     site = workdir / "site"
     site.mkdir(parents=True, exist_ok=True)
     (site / "sitecustomize.py").write_text(round_timers.SITECUSTOMIZE)
@@ -73,7 +75,10 @@ def timed_run(server_args: list[str], env: dict, prompts, new_tokens: int, workd
     env = {"PYTHONPATH": os.pathsep.join(python_path), round_timers.ENV: str(timers), **env}
     server = start_server(server_args, workdir, env=env)
     try:
+        run_batch(server, [prompts[0][-64:]], 1)  # the first forward's cold costs
+        started = time.perf_counter()
         run_batch(server, prompts, 1)  # prefill into the radix cache
+        prefill = time.perf_counter() - started
         run_batch(server, prompts, 16)  # warm
         before = round_timers.read(str(timers))
         started = time.perf_counter()
@@ -88,7 +93,7 @@ def timed_run(server_args: list[str], env: dict, prompts, new_tokens: int, workd
         parts[name] = (calls - calls_before, seconds - seconds_before)
     for key, seconds in after["kernels"].items():
         kernels[key] = seconds - before["kernels"].get(key, 0.0)
-    return {"parts": parts, "kernels": kernels, "wall": wall}
+    return {"parts": parts, "kernels": kernels, "wall": wall, "prefill": prefill}
 
 
 def per_call(run: dict, part: str) -> tuple[float, float, float, float]:
@@ -161,6 +166,13 @@ def main() -> None:
         batch * width * (mean_context + width / 2),
     )
 
+    # The prefill: every prompt token through the weights (the LM head for each request's last
+    # token only), its KV written once, each token attending to the ones before it.
+    prompt_tokens = batch * context
+    extend = step_floors(
+        machine, model, dtype, prompt_tokens, prompt_tokens, batch * context * (context + 1) / 2,
+        head_rows=batch,
+    )  # fmt: skip
     ar_decode = per_call(ar, "decode")
     ar_steps = ar["parts"].get("decode", (0, 0.0))[0]
     ar_inside = sum(seconds for _, seconds in ar["parts"].values())
@@ -203,6 +215,7 @@ def main() -> None:
         row("  linear + LM head", verify_pass[1], verify.linear),
         row("  attention", verify_pass[2], verify.attention),
         row("  rest", verify_pass[3], None),
+        row(f"prefill of the {batch} prompts (AR server, all at once)", ar["prefill"], extend.step),
         row(
             "scheduler outside the worker, AR (per decode batch)",
             (ar["wall"] - ar_inside) / max(ar_steps, 1),

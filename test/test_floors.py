@@ -17,6 +17,7 @@ from benchmark.floors import (
 )
 
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS = 100, 32, 2, 4, 2
+MODEL = ModelShape(weights=1_000_000, lm_head=200_000, layers=2, q_heads=4, kv_heads=2, head_dim=16)
 
 
 def write_model(folder, tied: bool, head_dim: int | None = None) -> None:
@@ -46,8 +47,9 @@ def test_a_tied_embedding_is_read_whole_an_untied_one_is_not(tmp_path):
     (tmp_path / "untied").mkdir()
     write_model(tmp_path / "tied", tied=True)
     write_model(tmp_path / "untied", tied=False)
-    assert ModelShape.of(tmp_path / "tied").weights == layers + VOCAB * HIDDEN
-    assert ModelShape.of(tmp_path / "untied").weights == layers + VOCAB * HIDDEN
+    for kind in ("tied", "untied"):
+        model = ModelShape.of(tmp_path / kind)
+        assert (model.weights, model.lm_head) == (layers + VOCAB * HIDDEN, VOCAB * HIDDEN)
 
 
 def test_head_dim_from_config_or_hidden_size(tmp_path):
@@ -60,7 +62,7 @@ def test_head_dim_from_config_or_hidden_size(tmp_path):
 
 
 def test_floors_are_bytes_or_flops_whichever_is_slower():
-    model = ModelShape(weights=1_000_000, layers=2, q_heads=4, kv_heads=2, head_dim=16)
+    model = MODEL
     machine = Machine(bandwidth=1e9, peak={"float32": 1e9, "bfloat16": 1e12})
     kv = model.kv_bytes_per_token("float32")  # 2 * 2 * 2 * 16 * 4 = 512
     # One row over 1000 keys in fp32: 4 MB + 512 kB to read, 2 MFLOP + 0.5 MFLOP.
@@ -71,10 +73,13 @@ def test_floors_are_bytes_or_flops_whichever_is_slower():
     many = step_floors(machine, model, "float32", rows=64, keys_read=1000, row_keys=64 * 1000)
     assert many.linear == pytest.approx((2 * 1e6 * 64 / 1e9, "FLOPs"))
     assert many.attention[1] == "FLOPs"
+    # A prefill of 64 rows computes the LM head for its last row only.
+    prefill = step_floors(machine, model, "float32", 64, 64, 64 * 65 / 2, head_rows=1)
+    assert prefill.linear == pytest.approx((2 * (800_000 * 64 + 200_000) / 1e9, "FLOPs"))
 
 
 def test_the_ar_floor_is_a_token_per_request_per_read_of_weights_and_kv():
-    model = ModelShape(weights=1_000_000, layers=2, q_heads=4, kv_heads=2, head_dim=16)
+    model = MODEL
     contexts = [1000, 3000]
     seconds = read_seconds(model, "bfloat16", sum(contexts), 1e9)
     assert seconds == pytest.approx((2e6 + 4000 * 256) / 1e9)
