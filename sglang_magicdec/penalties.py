@@ -157,6 +157,16 @@ class RoundPenalties:
             short = self.output_lens < self.min_new_tokens
             logits.add_(torch.where(short, self.stop_penalties, 0.0))
 
+    def apply_chain(self, logits: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Penalise a verify's logits [B·W, V] in place: request b's row j for the output and
+        tokens[b, 1..j] (`tokens` [B, W]: x0, then the drafts). Advances this state along the
+        chain, so it serves one verify."""
+        rows = logits.view(tokens.shape[0], tokens.shape[1], -1)
+        for j in range(tokens.shape[1]):
+            if j:
+                self.advance(tokens[:, j])
+            self.apply(rows[:, j])
+
     def advance(self, tokens: torch.Tensor) -> None:
         """Count `tokens` [B], the next token of each request's chain, as the penalizers'
         `cumulate_output_tokens` does."""

@@ -232,13 +232,8 @@ class MagicDecWorker(BaseSpecWorker):
         else:
             draft_lens, widths = None, None
         verify = self._verify(batch, committed, tokens, round_slots, widths)
-        if penalties is not None:
-            # Row j is penalised for the output and drafts 1..j, in place: logprobs read it too.
-            rows = verify.logits_output.next_token_logits.view(len(batch.reqs), tokens.shape[1], -1)
-            for j in range(tokens.shape[1]):
-                if j:
-                    penalties.advance(tokens[:, j])
-                penalties.apply(rows[:, j])
+        if penalties is not None:  # in place: logprobs read these logits too
+            penalties.apply_chain(verify.logits_output.next_token_logits, tokens)
         target, accept_lens = acceptor.accept(
             tokens, verify.logits_output.next_token_logits, draft_lens
         )

@@ -112,11 +112,15 @@ def test_every_chain_position_is_penalised_as_a_plain_step_would(seed):
                 orchestrator.cumulate_output_tokens(drafts[b, j - 1 : j])
             expected[b, j] = penalised_by_sglang(orchestrator, logits[b, j : j + 1])[0]
 
+    # The draft's copy, step by step; the verify's, the whole chain at once.
+    draft_state, drafted = ours.copy(), logits.clone()
+    for j in range(gamma):
+        draft_state.apply(drafted[:, j])
+        draft_state.advance(drafts[:, j])
+    assert torch.equal(drafted[:, :gamma], expected[:, :gamma])
     got = logits.clone()
-    for j in range(gamma + 1):
-        if j:
-            ours.advance(drafts[:, j - 1])
-        ours.apply(got[:, j])
+    chain = torch.cat([torch.zeros(len(reqs), 1, dtype=torch.int64), drafts], dim=1)
+    ours.apply_chain(got.view(-1, VOCAB), chain)
     assert torch.equal(got, expected)
     assert not torch.equal(got, logits)  # the penalties did something
     # min_new_tokens: request 5 (12 minimum) has its stop tokens masked while it is short.
