@@ -4,6 +4,7 @@ AR and MagicDec (as `make serve` runs it) on the served Qwen model, one server a
 
     .venv/bin/python -m benchmark.chat_defaults                  # model defaults, 1 sample each
     .venv/bin/python -m benchmark.chat_defaults --samples 3 --sampling-defaults openai
+    .venv/bin/python -m benchmark.chat_defaults --greedy         # temperature 0
 
 Prints, per server, how many answers contain the expected answer (case-insensitive), with the
 accept length MagicDec reached, and each wrong answer.
@@ -51,7 +52,7 @@ SERVERS = {
 }
 
 
-def ask(url: str, question: str, max_tokens: int) -> str:
+def ask(url: str, question: str, max_tokens: int, greedy: bool) -> str:
     import openai
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
@@ -59,6 +60,7 @@ def ask(url: str, question: str, max_tokens: int) -> str:
         model="default",
         messages=[{"role": "user", "content": f"{question} Answer in one short sentence."}],
         max_tokens=max_tokens,
+        **({"temperature": 0} if greedy else {}),
     )
     return reply.choices[0].message.content or ""
 
@@ -70,7 +72,9 @@ def run_server(name: str, args, log_dir: Path) -> dict:
     try:
         asked = [q for q, _ in QUESTIONS for _ in range(args.samples)]
         with ThreadPoolExecutor(len(asked)) as pool:
-            answers = list(pool.map(lambda q: ask(server.url, q, args.max_tokens), asked))
+            answers = list(
+                pool.map(lambda q: ask(server.url, q, args.max_tokens, args.greedy), asked)
+            )
         info = magicdec_info(server.url)
     finally:
         server.stop()
@@ -89,13 +93,17 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=1, help="answers per question")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--sampling-defaults", choices=["model", "openai"], default="model")
+    parser.add_argument(
+        "--greedy", action="store_true", help="temperature 0 (the defaults fill the rest)"
+    )
     parser.add_argument("--out", type=Path, help="also write the results as JSON here")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="chat-defaults-"))
     results = {name: run_server(name, args, work / name) for name in SERVERS}
     print(
         f"{QWEN_CODER.served_name}, {len(QUESTIONS)} questions x {args.samples}, "
-        f"--sampling-defaults {args.sampling_defaults}, max {args.max_tokens} tokens\n"
+        f"--sampling-defaults {args.sampling_defaults}{', greedy' if args.greedy else ''}, "
+        f"max {args.max_tokens} tokens\n"
     )
     print("| server | right | accept length |\n|---|---|---|")
     for name, result in results.items():
