@@ -7,9 +7,10 @@ KV not computed yet), once the draft's slots of the whole batch are resolved int
 1. draft: γ DECODE forwards of the target model itself, whose attention reads only the request's
    draft slots (the draft policy's selection of committed positions, plus this round's tokens),
    writing draft KV into the round's reserved slots S..S+γ-1;
-   A request stops drafting early where its draft's own confidence (the product of the draft's
-   probabilities of the tokens it proposed) falls below `--magicdec-draft-stop`'s threshold,
-   and the round's drafting ends when every request has stopped;
+   A request stops drafting early once its draft's own confidence (the product of the draft's
+   probabilities of the tokens it proposed) has fallen below `--magicdec-draft-stop`'s
+   threshold (every drafted token is verified), and the round's drafting ends when every
+   request has stopped;
 2. verify: one TARGET_VERIFY forward over [x0, d1..dγ] at positions S..S+γ with full attention,
    which overwrites those slots with exact KV (on our CPU backend, only the tokens each request
    drafted: a ragged verify);
@@ -209,6 +210,15 @@ class MagicDecWorker(BaseSpecWorker):
         draft_lens = torch.zeros(len(batch.reqs), dtype=torch.int64, device=tokens.device)
         steps = 0
         while steps < gamma:
+            if stop > 0.0:
+                # Whether a request drafts token k is decided by its drafts before k (a stopping
+                # time), never by token k itself: a chain cut where its own last token fell
+                # below the threshold would verify only the likelier draws, and rejection
+                # sampling would no longer keep the target's law.
+                drafting = confidence >= stop  # a prefix of the steps: confidence only falls
+                if not drafting.any():
+                    break
+                draft_lens += drafting
             logits = self._draft_step(batch, committed, steps, tokens, draft_round, round_slots)
             if draft_penalties is not None:
                 draft_penalties.apply(logits)
@@ -219,10 +229,6 @@ class MagicDecWorker(BaseSpecWorker):
             steps += 1
             if stop > 0.0:
                 confidence *= acceptor.proposal_probs(logits, proposed)
-                drafting = confidence >= stop  # a prefix of the steps: confidence only falls
-                draft_lens += drafting
-                if not drafting.any():
-                    break
         self.gamma_control.drafted(clock)
         if stop > 0.0:
             # Where each request stopped was decided by the draft alone: the verified chain is
