@@ -26,7 +26,7 @@ from benchmark.common import (
     run_batch,
     save_plot,
 )
-from sglang_magicdec.server_process import start_server
+from benchmark.server_process import start_server
 
 DATASETS = {
     "pg19_4K": ("pg19/pg19_4K.jsonl", 4096),

@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 
 from benchmark.common import best_seconds
+from benchmark.server_process import ServerProcess, start_server
 from sglang_magicdec.model import SMOLLM2, embedded_model_path
-from sglang_magicdec.server_process import ServerProcess, start_server
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 SHORT_PROMPT = "The capital of France is"

@@ -22,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchmark.common import DEFAULT_DATA, RESULTS, alpha_of, load_tokenizer, run_batch
+from benchmark.server_process import start_server
 from sglang_magicdec.model import write_tiny_llama
-from sglang_magicdec.server_process import start_server
 
 GAMMA = 3
 TINY_PROMPT_TOKENS = (1700, 2300, 1900, 2100, 1800, 2200)

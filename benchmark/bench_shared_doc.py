@@ -30,9 +30,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchmark.common import DEFAULT_DATA, RESULTS, load_tokenizer, magicdec_info
+from benchmark.server_process import ServerProcess, start_server
 from sglang_magicdec.cost_model import alpha_from_accept_length
 from sglang_magicdec.model import SMOLLM2, embedded_model_path
-from sglang_magicdec.server_process import ServerProcess, start_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 import shared_doc_qa  # noqa: E402

@@ -20,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchmark.common import magicdec_info
+from benchmark.server_process import start_server
 from sglang_magicdec.model import QWEN_CODER
-from sglang_magicdec.server_process import start_server
 
 # (question, a regular expression the right answer matches)
 QUESTIONS = [

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import requests
 
+from benchmark.server_process import ServerProcess
 from sglang_magicdec.cost_model import alpha_from_accept_length
-from sglang_magicdec.server_process import ServerProcess
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 RESULTS = Path(__file__).resolve().parent / "results"

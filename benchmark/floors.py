@@ -158,9 +158,7 @@ def read_seconds(model: ModelShape, dtype: str, keys_read: float, bandwidth: flo
     return step_bytes / bandwidth
 
 
-def ar_floor_tok_s(
-    model: ModelShape, dtype: str, contexts: list[float], bandwidth: float
-) -> float:
+def ar_floor_tok_s(model: ModelShape, dtype: str, contexts: list[float], bandwidth: float) -> float:
     """tok/s of an autoregressive decoder whose step reads the weights and every request's KV
     (`contexts`: each request's mean context over the decode) at `bandwidth`."""
     return len(contexts) / read_seconds(model, dtype, sum(contexts), bandwidth)

@@ -28,8 +28,8 @@ from pathlib import Path
 
 from benchmark.common import DEFAULT_DATA, magicdec_info, run_batch
 from benchmark.floors import ModelShape, ar_floor_tok_s, measure_machine
+from benchmark.server_process import start_server
 from sglang_magicdec.model import QWEN_CODER, embedded_model_path
-from sglang_magicdec.server_process import start_server
 
 NEEDLE = " The secret password is violet-harbor-42. Remember it. "
 NEEDLE_ANSWER = "violet-harbor-42"

@@ -31,22 +31,22 @@ import psutil
 
 from benchmark import round_timers
 from benchmark.common import DEFAULT_DATA, load_tokenizer, magicdec_info, run_batch
+from benchmark.server_process import start_server
 from benchmark.suite import load_prompts
-from sglang_magicdec.server_process import start_server
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PY_SPY_PHASES = {"draft steps": "MagicDecWorker._draft_step", "verify": "MagicDecWorker._verify"}
 # Rows of the table: a part of the round (its time without the parts nested in it).
 ROWS = {
-    "_extend": "extend (prefill)",
-    "_draft_step": "draft steps",
-    "_verify": "verify",
-    "_draft_round": "draft lists",
-    "_commit": "commit",
-    "_speculate": "rest of the round",
-    "_plain_decode": "plain steps (γ = 0)",
+    "extend": "extend (prefill)",
+    "draft_step": "draft steps",
+    "verify": "verify",
+    "draft_round": "draft lists",
+    "commit": "commit",
+    "round": "rest of the round",
+    "plain_decode": "plain steps (γ = 0)",
 }
-NESTED = {"_speculate": ("_draft_round", "_draft_step", "_verify", "_commit")}
+NESTED = {"round": ("draft_round", "draft_step", "verify", "commit")}
 NOT_RUN = (0, 0.0)  # a part's [calls, seconds] before its first call
 
 
@@ -77,8 +77,8 @@ def timer_deltas(before: dict, after: dict) -> tuple[dict[str, list], dict[str, 
 
 def print_round_table(parts: dict[str, list], kernels: dict[str, float], wall: float) -> None:
     """Milliseconds per decode batch, each part split into the kernels and the rest."""
-    rounds = parts.get("_speculate", NOT_RUN)[0]
-    batches = rounds + parts.get("_plain_decode", NOT_RUN)[0]
+    rounds = parts.get("round", NOT_RUN)[0]
+    batches = rounds + parts.get("plain_decode", NOT_RUN)[0]
     if not batches:
         print("no decode batch ran")
         return
@@ -97,7 +97,7 @@ def print_round_table(parts: dict[str, list], kernels: dict[str, float], wall: f
         in_worker += seconds
         linear = kernels.get(f"{name}/linear", 0.0)
         attention = kernels.get(f"{name}/attention", 0.0)
-        if name == "_draft_step":
+        if name == "draft_step":
             label = f"{label} (x{calls / rounds:.2f})"
         print(
             f"{label:24} {seconds * per_batch:7.1f} {linear * per_batch:7.1f} "

@@ -50,9 +50,9 @@ from benchmark.floors import (
     measure_machine,
     step_floors,
 )
+from benchmark.server_process import start_server
 from benchmark.suite import MAGICDEC_BUDGET, load_prompts
 from sglang_magicdec.model import SMOLLM2, embedded_model, embedded_model_path
-from sglang_magicdec.server_process import start_server
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -176,14 +176,14 @@ def main() -> None:
     ar_decode = per_call(ar, "decode")
     ar_steps = ar["parts"].get("decode", (0, 0.0))[0]
     ar_inside = sum(seconds for _, seconds in ar["parts"].values())
-    rounds = md["parts"].get("_speculate", (0, 0.0))[0]
-    md_batches = rounds + md["parts"].get("_plain_decode", (0, 0.0))[0]
+    rounds = md["parts"].get("round", (0, 0.0))[0]
+    md_batches = rounds + md["parts"].get("plain_decode", (0, 0.0))[0]
     md_inside = sum(
         seconds
         for name, (_, seconds) in md["parts"].items()
-        if name in ("_extend", "_speculate", "_plain_decode")
+        if name in ("extend", "round", "plain_decode")
     )
-    draft_step, verify_pass = per_call(md, "_draft_step"), per_call(md, "_verify")
+    draft_step, verify_pass = per_call(md, "draft_step"), per_call(md, "verify")
     tokens = batch * args.new_tokens
     ar_tok_s, md_tok_s = tokens / ar["wall"], tokens / md["wall"]
     floor_tok_s = ar_floor_tok_s(model, dtype, [mean_context] * batch, machine.bandwidth)

@@ -1,17 +1,19 @@
-"""Wall-clock timers inside a MAGICDEC server's scheduler: each part of a round (the worker's
-methods) and, within each, the native kernels it called (`benchmark/profile_round.py`).
+"""Wall-clock timers inside a MAGICDEC server's scheduler: each part of a round (the phases the
+worker's `RoundClock` reports, `sglang_magicdec/round_clock.py`) and, within each, the native
+kernels it called (`benchmark/profile_round.py`).
 
 A sampling profiler misleads on two cores: py-spy takes CPU from one of the two OpenMP threads
 of a parallel kernel, which then waits at its barrier, so kernels look slower and larger than
 they are (a plain decode step at batch 2 × 1K ran 77 ms alone and 94 ms under py-spy at 200 Hz).
 These timers cost a `perf_counter` pair per call.
 
-Installed in the server's processes by `sitecustomize` (`SITECUSTOMIZE`, put on `PYTHONPATH`):
-the worker and kernel modules are wrapped as they are imported, and the scheduler writes its
-totals to `$MAGICDEC_ROUND_TIMERS` after every batch the worker runs. A MAGICDEC server's parts are
-its worker's methods (`PARTS`, extend batches included); with `$MAGICDEC_ROUND_TIMERS_TARGET` set
-(a server without speculation) the target model's forwards are the parts, named by their mode
-("decode", "extend"), so that whatever is left of the wall time is the scheduler's own.
+Installed in the server's processes by `sitecustomize` (`SITECUSTOMIZE`, put on `PYTHONPATH`): a
+listener subscribes to the round clock and the kernel functions are wrapped as their modules are
+imported, and the scheduler writes its totals to `$MAGICDEC_ROUND_TIMERS` after every batch the
+worker runs. A MAGICDEC server's parts are its worker's phases (extend batches included); with
+`$MAGICDEC_ROUND_TIMERS_TARGET` set (a server without speculation) the target model's forwards
+are the parts, named by their mode ("decode", "extend"), so that whatever is left of the wall
+time is the scheduler's own.
 """
 
 from __future__ import annotations
@@ -27,16 +29,6 @@ from collections import defaultdict
 from collections.abc import Callable
 
 ENV = "MAGICDEC_ROUND_TIMERS"
-# Outermost first: a kernel's time counts for the innermost part it ran in.
-PARTS = (
-    "_extend",
-    "_speculate",
-    "_plain_decode",
-    "_draft_round",
-    "_draft_step",
-    "_verify",
-    "_commit",
-)
 TARGET_ENV = "MAGICDEC_ROUND_TIMERS_TARGET"
 KERNELS = {"few_rows_linear": "linear", "slot_attention": "attention"}
 SITECUSTOMIZE = "import benchmark.round_timers as timers\ntimers.install()\n"
@@ -47,20 +39,32 @@ _kernels: dict[tuple[str, str], float] = defaultdict(float)
 _stack: list[str] = []
 
 
+class _PartTimers:
+    """A `round_clock.PhaseListener`: the phases are the parts."""
+
+    def phase_started(self, name: str) -> None:
+        _stack.append(name)
+
+    def phase_ended(self, name: str, seconds: float) -> None:
+        entry = _parts[name]
+        entry[0] += 1
+        entry[1] += seconds
+        _stack.pop()
+        if not _stack:  # a batch is done: publish the totals
+            _write(os.environ[ENV])
+
+
 def _timed_part(name: str, method: Callable) -> Callable:
+    timers = _PartTimers()
+
     @functools.wraps(method)
     def timed(*args, **kwargs):
-        _stack.append(name)
+        timers.phase_started(name)
         start = time.perf_counter()
         try:
             return method(*args, **kwargs)
         finally:
-            entry = _parts[name]
-            entry[0] += 1
-            entry[1] += time.perf_counter() - start
-            _stack.pop()
-            if not _stack:  # a decode batch is done: publish the totals
-                _write(os.environ[ENV])
+            timers.phase_ended(name, time.perf_counter() - start)
 
     return timed
 
@@ -88,10 +92,8 @@ def _write(path: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _wrap_worker(module) -> None:
-    worker = module.MagicDecWorker
-    for name in PARTS:
-        setattr(worker, name, _timed_part(name, getattr(worker, name)))
+def _subscribe(module) -> None:
+    module.subscribe(_PartTimers())
 
 
 def _wrap_target_worker(module) -> None:
@@ -137,13 +139,14 @@ class _WrapOnImport(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
-    """Wrap the worker and the kernels when they are imported (only where `ENV` is set)."""
+    """Time the parts and the kernels once their modules are imported (only where `ENV` is
+    set)."""
     if os.environ.get(ENV):
         wraps = {"magicdec_kernels.cpu_native": _wrap_kernels}
         if os.environ.get(TARGET_ENV):
             wraps["sglang.srt.managers.tp_worker"] = _wrap_target_worker
         else:
-            wraps["sglang_magicdec.worker"] = _wrap_worker
+            wraps["sglang_magicdec.round_clock"] = _subscribe
         sys.meta_path.insert(0, _WrapOnImport(wraps))
 
 

@@ -30,7 +30,7 @@ import psutil
 import requests
 
 from benchmark.common import DEFAULT_DATA, RESULTS, load_tokenizer, magicdec_info
-from sglang_magicdec.server_process import start_server
+from benchmark.server_process import start_server
 
 SERVER_ARGS = [
     "--dtype", "float32", "--max-total-tokens", "8000",

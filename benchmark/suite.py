@@ -43,9 +43,9 @@ from benchmark.common import (
     save_plot,
 )
 from benchmark.floors import DTYPE_BYTES, ModelShape, read_bandwidth, read_seconds
+from benchmark.server_process import ServerProcess, start_server
 from sglang_magicdec.cost_model import CostModel, bucket_key
 from sglang_magicdec.model import SMOLLM2, embedded_model_path
-from sglang_magicdec.server_process import ServerProcess, start_server
 
 SOURCE_FILE = {1024: "pg19_4K", 2048: "pg19_4K", 4096: "pg19_8K", 8192: "pg19_16K"}
 SPECULATIVE = ["--speculative-algorithm", "MAGICDEC"]
@@ -101,8 +101,6 @@ def measure_against_ar(
                 alphas[batch].append(alpha_of(results, magicdec_info(servers[mode].url)["gamma"]))
             progress.update()
     points = []
-    # Over the server's life so far (warm-up included): committed tokens per verified row.
-    per_row = magicdec_info(servers[mode].url).get("accepted_per_verified_row")
     for batch in batches:
         decision = full_batch_decision(servers[mode].url, batch, context, new_tokens)
         points.append(
@@ -120,7 +118,6 @@ def measure_against_ar(
                 "decode_ms": decision.get("decode_ms"),
                 "draft_ms": decision.get("draft_ms"),
                 "round_ms": decision.get("round_ms", {}),  # per γ
-                "accepted_per_verified_row": per_row,
             }
         )
     return points
@@ -145,27 +142,24 @@ def measure_server(url: str, prompts_by_context, batches, new_tokens, repeats) -
 def throughput_table(points: list[dict]) -> str:
     lines = [
         "| mode | context | batch | AR tok/s | MagicDec tok/s | speedup (median of turns) "
-        "| α | auto γ | auto predicted | tokens per verified row |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| α | auto γ | auto predicted |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for point in points:
         auto = is_auto(point["mode"])
         alpha, predicted = point["alpha"], point["predicted_speedup"]
-        per_row = point.get("accepted_per_verified_row")
         lines.append(
             f"| {point['mode']} | {point['context']} | {point['batch']} "
             f"| {point['ar_tokens_per_s']:.1f} | {point['tokens_per_s']:.1f} "
             f"| {point['speedup']:.2f}x | {'-' if alpha is None else f'{alpha:.3f}'} "
             f"| {point['gamma'] if auto else '-'} "
-            f"| {f'{predicted:.2f}x' if auto and predicted else '-'} "
-            f"| {'-' if per_row is None else f'{per_row:.3f}'} |"
+            f"| {f'{predicted:.2f}x' if auto and predicted else '-'} |"
         )
     return "\n".join(lines)
 
 
 def is_auto(mode: str) -> bool:
-    """γ = auto, whatever its draft stop ("auto", "auto, draft stop 0")."""
-    return mode.startswith("auto")
+    return mode == "auto"
 
 
 def step_cost_table(
@@ -239,12 +233,6 @@ def main() -> None:
     parser.add_argument(
         "--fixed-gammas", type=int, nargs="+", help="fixed γ values to measure (default: --gamma)"
     )
-    parser.add_argument(
-        "--draft-stops",
-        nargs="+",
-        help="γ = auto also with each of these --magicdec-draft-stop values (e.g. auto: the "
-        "cost model's threshold; the 'auto' mode runs the default, 0: never stop)",
-    )
     parser.add_argument("--base-url", help="measure this running server's throughput only")
     parser.add_argument("--skip-acceptance", action="store_true")
     parser.add_argument("--skip-shared-doc", action="store_true")
@@ -275,8 +263,6 @@ def main() -> None:
     }
     auto_max = [*SPECULATIVE, "--speculative-num-steps", str(args.gamma)]
     modes["auto"] = [*auto_max, "--magicdec-gamma", "auto"]
-    for stop in args.draft_stops or []:
-        modes[f"auto, draft stop {stop}"] = [*modes["auto"], "--magicdec-draft-stop", stop]
     progress = tqdm(
         total=len(modes) * len(contexts) * len(batches) * args.repeats, desc="throughput", unit="pt"
     )

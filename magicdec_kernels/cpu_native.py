@@ -43,7 +43,7 @@ import weakref
 
 import torch
 
-from magicdec_kernels.loader import cpu_flags, native
+from magicdec_kernels.loader import capabilities, native
 from magicdec_kernels.shapes import check_gqa
 
 
@@ -157,23 +157,13 @@ def slot_attention(
     )
 
 
-# Rows up to which the native few-row product runs (`benchmark/bench_cpu_backend.py --kernels`).
-# Below it a row's result does not depend on its batch, so a verify row computes exactly what a
-# decode step of its token would. Without AMX it is also the faster product at every size a
-# decode, draft or verify step has (AMD EPYC with AVX512-BF16, 2026-12-03, SmolLM2's 30 layers
-# and LM head at 8 / 32 / 64 rows: bf16 native 15.3 / 39.8 / 73.0 ms, F.linear 30.4 / 46.7 /
-# 76.7; float32 26.3 / 61.7 / 109.5 against 88.2 / 114.9 / 169.6). On an Intel CPU with AMX,
-# oneDNN's bf16 tiles are faster past ~8 rows, and take them.
-FEW_ROWS_MAX = {torch.float32: 64, torch.bfloat16: 8 if "amx_bf16" in cpu_flags() else 64}
-
-
 def supports_few_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `few_rows_linear` takes the native kernel for these tensors."""
     return (
         not x.is_cuda
         and x.dim() == 2
         and weight.dim() == 2
-        and 0 < x.shape[0] <= FEW_ROWS_MAX.get(x.dtype, 0)
+        and 0 < x.shape[0] <= capabilities().few_rows_max(x.dtype)
         and weight.dtype == x.dtype
         and weight.layout == torch.strided
         and weight.stride(-1) == 1

@@ -13,6 +13,7 @@ import functools
 import logging
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -28,18 +29,45 @@ SOURCES = [
 EXTENSION_NAME = "magicdec_cpu_kernels"
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What this CPU runs, as the native module reads it from CPUID: the one place Python learns
+    it (nothing else parses /proc/cpuinfo).
+
+    isa          the instruction set the native kernels run ("avx512bf16", "avx512", "avx2"), or
+                 "none" where they are not loaded
+    avx512_bf16  `vdpbf16ps` bf16 products
+    amx_bf16     AMX bf16 tiles, which oneDNN's bf16 products (torch's F.linear) use
+    """
+
+    isa: str
+    avx512_bf16: bool
+    amx_bf16: bool
+
+    @property
+    def bf16_products(self) -> bool:
+        """bf16 multiplied natively, not widened to float32."""
+        return self.avx512_bf16 or self.amx_bf16
+
+    def few_rows_max(self, dtype: torch.dtype) -> int:
+        """Rows up to which a linear layer takes the native few-row product (0: never). Below it
+        a row's result does not depend on its batch, so a verify row computes exactly what a
+        decode step of its token would; without AMX it is also the faster product at every row
+        count a decode, draft or verify step has. With AMX, oneDNN's bf16 tiles are faster past
+        ~8 rows and take them (`benchmark/results/amx/kernels.txt`)."""
+        if self.isa == "none" or dtype not in (torch.float32, torch.bfloat16):
+            return 0
+        return 8 if dtype == torch.bfloat16 and self.amx_bf16 else 64
+
+
 @functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as Linux lists them ("avx512_bf16", "amx_bf16", ...); empty where
-    /proc/cpuinfo is not there."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.partition(":")[2].split())
-    return frozenset()
+def capabilities() -> Capabilities:
+    """This CPU's capabilities; where the native module does not load, none (float32 serving,
+    no native product)."""
+    module = native()
+    if module is None:
+        return Capabilities(isa="none", avx512_bf16=False, amx_bf16=False)
+    return Capabilities(**module.capabilities())
 
 
 def build(verbose: bool = False) -> ModuleType:

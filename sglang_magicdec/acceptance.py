@@ -35,17 +35,12 @@ class Acceptor(Protocol):
     def propose(self, logits: torch.Tensor, step: int) -> torch.Tensor:
         """[B] draft tokens of draft step `step` from its [B, V] logits."""
 
-    def proposal_probs(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """[B] the draft's probability of the tokens `propose` just took from `logits`: the
-        draft's own confidence, which decides where a request stops drafting."""
-
     def accept(
-        self, tokens: torch.Tensor, logits: torch.Tensor, draft_lens: torch.Tensor | None = None
+        self, tokens: torch.Tensor, logits: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The verified chain: `tokens` [B, γ+1] are x0 and the drafts, `logits` [B·(γ+1), V]
-        the target's after each prefix; request b's chain is its first `draft_lens[b]` drafts
-        where given (rows past them are never read). Returns (target [B, γ+1], accept_lens
-        [B]): request b commits target[b, :accept_lens[b]]."""
+        the target's after each prefix. Returns (target [B, γ+1], accept_lens [B]): request b
+        commits target[b, :accept_lens[b]]."""
 
 
 def acceptor_for(
@@ -83,16 +78,11 @@ class GreedyAcceptor:
     def propose(self, logits: torch.Tensor, step: int) -> torch.Tensor:
         return logits.argmax(dim=-1)
 
-    def proposal_probs(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        # softmax(logits)[argmax] = 1 / Σ exp(logits - max)
-        top = logits.gather(-1, tokens[:, None]).float()
-        return (logits.float() - top).exp().sum(dim=-1).reciprocal()
-
     def accept(
-        self, tokens: torch.Tensor, logits: torch.Tensor, draft_lens: torch.Tensor | None = None
+        self, tokens: torch.Tensor, logits: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         target = logits.argmax(dim=-1).view(tokens.shape)
-        return target, greedy_accept(tokens, target, draft_lens)
+        return target, greedy_accept(tokens, target)
 
 
 @dataclass
@@ -112,39 +102,28 @@ class SampledAcceptor:
             tokens = self.seeded.replace(tokens, self.seeded.sample(probs, self.committed + step))
         return tokens
 
-    def proposal_probs(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        return self.draft_probs[-1].gather(-1, tokens[:, None])[:, 0]
-
     def accept(
-        self, tokens: torch.Tensor, logits: torch.Tensor, draft_lens: torch.Tensor | None = None
+        self, tokens: torch.Tensor, logits: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         batch, width = tokens.shape
-        gamma = width - 1  # fewer than the round's γ where every request stopped drafting early
-        # The acceptance tests' uniforms are never ones a draft was drawn with, even where the
-        # round ended early: the draft's draws decided where it stopped.
-        planned = (self.uniforms.shape[1] - 1) // 2
+        gamma = width - 1
         filters = self.filters and tuple(f.repeat_interleave(width) for f in self.filters)
         temperatures = self.temperatures.repeat_interleave(width)
         target_probs = sampling_probs(logits, temperatures, filters).view(batch, width, -1)
-        # No draft at all where every request stopped before its first: the bonus alone.
-        draft_probs = torch.stack(self.draft_probs[:gamma], dim=1) if gamma else target_probs[:, :0]
         target, accept_lens = chain_rejection_sample(
             tokens[:, 1:],
-            draft_probs,
+            torch.stack(self.draft_probs, dim=1),
             target_probs,
-            self.uniforms[:, planned : planned + gamma],
-            self.uniforms[:, 2 * planned],
-            draft_lens,
+            self.uniforms[:, gamma : 2 * gamma],
+            self.uniforms[:, 2 * gamma],
         )
         if self.seeded is not None:
             # Seeded drafts are kept while they equal the target's seeded draw at their position.
             coupled = self.seeded.sample(target_probs, self.committed)
             target = self.seeded.replace(target, coupled)
             index = self.seeded.index
-            seeded_tokens = tokens.index_select(0, index)
-            seeded_lens = None if draft_lens is None else draft_lens.index_select(0, index)
             accept_lens = self.seeded.replace(
-                accept_lens, greedy_accept(seeded_tokens, coupled, seeded_lens)
+                accept_lens, greedy_accept(tokens.index_select(0, index), coupled)
             )
         return target, accept_lens
 
@@ -211,14 +190,12 @@ class AcceptanceStats:
     the device (a round never waits to count) and are read when the server info is asked for."""
 
     request_rounds: int = 0  # (request, verify pass) pairs
-    drafted: int = 0  # drafts in the verified chains (a request that stopped early: fewer)
-    verified_rows: int = 0  # token rows the verify passes computed
+    drafted: int = 0  # drafts in the verified chains
     accepted_tokens: torch.Tensor | int = 0  # committed by those passes, bonus tokens included
 
-    def record(self, accept_lens: torch.Tensor, drafted: int, verified_rows: int) -> None:
+    def record(self, accept_lens: torch.Tensor, drafted: int) -> None:
         self.request_rounds += accept_lens.numel()
         self.drafted += drafted
-        self.verified_rows += verified_rows
         self.accepted_tokens = self.accepted_tokens + accept_lens.sum(dtype=torch.int64)
 
     def summary(self) -> dict:
@@ -227,9 +204,6 @@ class AcceptanceStats:
         return {
             "verify_rounds": self.request_rounds,
             "verified_drafts": self.drafted,
-            "verified_rows": self.verified_rows,
             "avg_accept_length": accepted / rounds,
             "draft_acceptance_rate": (accepted - self.request_rounds) / max(self.drafted, 1),
-            # What a row of verification bought: committed tokens per token row computed.
-            "accepted_per_verified_row": accepted / max(self.verified_rows, 1),
         }

@@ -6,9 +6,8 @@ padded slot lists (`HeadSlots`: a draft step's per layer and KV head, from its s
 decode or verify step's one list per request, its committed slots then its query tokens' own),
 run by one entry, `cpu_native.slot_attention`: the native kernel, each (request, KV head) read
 once for all its query rows. Extend (prefill chunks, compute-bound) runs the same kernel over the
-same lists where the kernel takes the KV pool's tensors: it computes a 4,096-token chunk's
-attention over a 12K prefix at ~250 GFLOP/s in bf16 (~150 in fp32) where torch's fused CPU
-attention reaches ~120 (~105), which is most of a long prompt's prefill. Elsewhere (and under
+same lists where the kernel takes the KV pool's tensors (faster there than torch's fused CPU
+attention: `benchmark/results/HISTORY.md`, block 1). Elsewhere (and under
 `magicdec_cpu_torch`, whose reference would materialise a chunk's scores) extend runs
 `index_attention_torch` over each request's slot list, planned once per forward (shared by every
 layer).
@@ -31,7 +30,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from magicdec_kernels import cpu_native
 from magicdec_kernels.index_attention import AttentionPlan, index_attention_torch, plan_requests
 from magicdec_kernels.loader import native as native_kernels
-from sglang_magicdec.model import unsupported_attention
+from sglang_magicdec.launch_checks import unsupported_attention
 from sglang_magicdec.platforms import ATTENTION_BACKEND
 from sglang_magicdec.spec_info import HeadSlots, draft_slots
 
@@ -141,8 +140,7 @@ class IndexAttnBackend(AttentionBackend):
             q_lens = [1] * batch
             prefix_lens = [s - 1 for s in seq_lens]
         elif mode.is_target_verify():
-            spec_info = forward_batch.spec_info
-            q_lens = spec_info.widths or [spec_info.draft_token_num] * batch
+            q_lens = [forward_batch.spec_info.draft_token_num] * batch
             prefix_lens = seq_lens
         else:
             q_lens = list(forward_batch.extend_seq_lens_cpu)

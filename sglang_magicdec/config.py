@@ -19,13 +19,6 @@ GROUP_DESCRIPTION = (
 )
 
 
-def _as_float(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        return -1.0  # not a number: out of range
-
-
 @dataclass(frozen=True)
 class MagicDecConfig:
     """Every MagicDec knob.
@@ -42,13 +35,6 @@ class MagicDecConfig:
                  whose prompts extend it (a shared document, system prompt, earlier turns)
     gamma        "auto": the cost model picks γ ∈ {0..--speculative-num-steps} per batch;
                  a number N is --speculative-num-steps N; None: fixed γ from SGLang's flag
-    draft_stop   per request: a request stops drafting within a round once the product of its
-                 draft's probabilities of its proposed tokens falls below this threshold, and
-                 the verify carries only the tokens it drafted (our CPU backends; on GPU every
-                 request drafts γ; the round ends when every request has stopped). "auto": the
-                 threshold the cost model derives under --magicdec-gamma auto, none under a
-                 fixed γ; a number in [0, 1): that threshold; 0 (default) never stops: at batch
-                 8 x 7,936 in bf16, auto measured 0.97x AR where never stopping made 1.11x
     min_context  below this many committed tokens the draft reads the whole context, i.e. the
                  request is decoded plainly (its draft is the target itself); None = budget
     debug        check every draft selection against the request's live KV slots, and report
@@ -63,7 +49,6 @@ class MagicDecConfig:
     pool_kernel: int = 5
     share_min_len: int = 1024
     gamma: str | None = None
-    draft_stop: str = "0"
     min_context: int | None = None
     debug: bool = False
 
@@ -86,11 +71,6 @@ class MagicDecConfig:
                 raise ValueError(
                     f"--magicdec-gamma must be 'auto' or an integer >= 1, got {self.gamma!r}"
                 )
-        if self.draft_stop != "auto" and not 0.0 <= _as_float(self.draft_stop) < 1.0:
-            raise ValueError(
-                f"--magicdec-draft-stop must be 'auto' or a number in [0, 1), got "
-                f"{self.draft_stop!r}"
-            )
         if self.min_context is not None and self.min_context < 0:
             raise ValueError(f"--magicdec-min-context must be >= 0, got {self.min_context}")
 
@@ -110,11 +90,6 @@ class MagicDecConfig:
                 f"--magicdec-share-min-len must be >= --magicdec-obs-window ({self.obs_window}), "
                 f"got {self.share_min_len}"
             )
-
-    @property
-    def draft_stop_threshold(self) -> float | None:
-        """The fixed per-request draft-stop threshold, or None for "auto"."""
-        return None if self.draft_stop == "auto" else float(self.draft_stop)
 
     @property
     def dense_below(self) -> int:
@@ -172,15 +147,6 @@ _FLAGS = {
             help="'auto': a calibrated cost model picks γ per batch, up to "
             "--speculative-num-steps (0 = plain decode when speculation does not pay); "
             "N: the same as --speculative-num-steps N (default: fixed γ)",
-        ),
-    ),
-    "draft_stop": (
-        "--magicdec-draft-stop",
-        dict(
-            help="a request stops drafting within a round when the product of its draft's "
-            "probabilities of its proposed tokens falls below this (CPU): 'auto' = the cost "
-            "model's threshold under --magicdec-gamma auto, none under a fixed γ; or a number "
-            "in [0, 1) (default: 0, never stop)",
         ),
     ),
     "min_context": (

@@ -200,15 +200,13 @@ class CostModel:
         rids: list[str],
         accept_lens: list[int],
         gamma: int,
-        draft_lens: list[int] | None = None,
     ) -> None:
-        """A round's acceptance per request: of the `draft_lens` drafts each verified (γ each
-        where not given), the first `accept_len - 1` were kept."""
+        """A round's acceptance per request: of its γ drafts, the first `accept_len - 1` were
+        kept."""
         round_kept = round_tested = 0
-        drafted = draft_lens or [gamma] * len(rids)
-        for rid, accepted, verified in zip(rids, accept_lens, drafted, strict=True):
+        for rid, accepted in zip(rids, accept_lens, strict=True):
             kept = accepted - 1
-            tested = kept + (1 if kept < verified else 0)  # drafts after a rejection are untested
+            tested = kept + (1 if kept < gamma else 0)  # drafts after a rejection are untested
             old_kept, old_tested = self._drafts.get(rid, (0.0, 0.0))
             self._drafts[rid] = (old_kept + kept, old_tested + tested)
             round_kept += kept
@@ -218,28 +216,6 @@ class CostModel:
             recent_kept * self.recent_decay + round_kept,
             recent_tested * self.recent_decay + round_tested,
         )
-
-    def draft_stop_threshold(self, rids: list[str], mean_context: float, gamma: int) -> float:
-        """Where a request of this batch stops drafting: a draft token is worth verifying while
-        the chance that it and every draft before it are accepted (the draft's own confidence
-        stands in for it) exceeds what one more verify row costs in committed tokens,
-        t_row / t_token. t_row is a verify's time beyond a plain step per extra row,
-        (T_round(γ) − γ·T_draft − T_decode) / (γ·B); t_token a round's time per token it is
-        predicted to commit, T_round(γ) / Σ Ω(γ, α_r). 0 (never stop) until the bucket, or a
-        calibrated neighbour, has measured both."""
-        bucket = self.bucket(len(rids), mean_context)
-        costs = self.costs.get(bucket)
-        if costs is None or self._uncalibrated(costs):
-            donor = self._nearest_calibrated(bucket)
-            if donor is None:
-                return 0.0
-            costs = self.costs[donor]
-        round_seconds = costs.round(gamma)
-        verify_extra = round_seconds - gamma * costs.draft - costs.decode
-        if verify_extra <= 0.0:
-            return 0.0
-        tokens = sum(expected_tokens_per_round(gamma, self.alpha(rid)) for rid in rids)
-        return min(verify_extra * tokens / (gamma * len(rids) * round_seconds), 1.0)
 
     def forget(self, rid: str) -> None:
         self._drafts.pop(rid, None)

@@ -1,6 +1,6 @@
 """γ per decode batch: fixed (`--speculative-num-steps`), or under `--magicdec-gamma auto` the
-cost model's pick (`cost_model.py`), from the step costs timed here and the acceptance the
-worker reports after each round.
+cost model's pick (`cost_model.py`), from the step costs the worker's `RoundClock` timed and the
+acceptance it reports after each round.
 
 Tensor-parallel ranks must run the same round, but each rank times its own steps, so each cost
 model may pick a different γ: the first rank's choice is broadcast to every rank.
@@ -9,27 +9,17 @@ model may pick a different γ: the first rank's choice is broadcast to every ran
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 from sglang.srt.managers.schedule_batch import ScheduleBatch
 
 from sglang_magicdec import radix_events
 from sglang_magicdec.cost_model import CostModel, Decision, StepCosts, bucket_key
+from sglang_magicdec.round_clock import RoundClock
 from sglang_magicdec.spec_info import host_seq_lens
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RoundClock:
-    """When a round (or plain step) of a batch in cost-model `bucket` started, and when its
-    drafts were done."""
-
-    bucket: tuple[int, int]
-    started: float
-    drafted: float | None = None
 
 
 class GammaController(radix_events.RadixCacheListener):
@@ -38,14 +28,10 @@ class GammaController(radix_events.RadixCacheListener):
         gamma_max: int,
         auto: bool,
         tp_group,
-        on_cuda: bool,
-        draft_stop: float | None = None,
     ):
         self.gamma_max = gamma_max
-        self.fixed_draft_stop = draft_stop  # None: the cost model's threshold (or none)
         self.cost_model = CostModel(gamma_max=gamma_max) if auto else None
         self.tp_group = tp_group
-        self.on_cuda = on_cuda
         if auto:
             radix_events.subscribe(self)  # to forget a released request's acceptance
 
@@ -70,61 +56,38 @@ class GammaController(radix_events.RadixCacheListener):
             )
         return decision.gamma
 
-    def draft_stop(self, batch: ScheduleBatch, gamma: int) -> float:
-        """The confidence below which a request of this round stops drafting (0: never).
-        Decided by the first TP rank where the cost model decides it, like γ."""
-        if self.fixed_draft_stop is not None:
-            return self.fixed_draft_stop
-        if self.cost_model is None:
-            return 0.0
-        rids = [req.rid for req in batch.reqs]
-        threshold = self.cost_model.draft_stop_threshold(rids, mean_committed(batch), gamma)
-        if self.tp_group.world_size > 1:
-            threshold = float(first_rank_values(self.tp_group, torch.tensor([threshold])))
-        return threshold
+    # -- costs: only under γ = auto, which decides on them ------------------------------------
 
-    # -- timing: only under γ = auto, which decides on it --------------------------------------
-
-    def start(self, batch: ScheduleBatch) -> RoundClock | None:
-        """Start timing a round or plain step of `batch` (its bookkeeping is part of its cost)."""
+    def bucket(self, batch: ScheduleBatch) -> tuple[int, int] | None:
+        """The cost-model bucket a batch's costs are recorded in (None: nothing is recorded)."""
         if self.cost_model is None:
             return None
-        return RoundClock(CostModel.bucket(len(batch.reqs), mean_committed(batch)), self._now())
-
-    def drafted(self, clock: RoundClock | None) -> None:
-        if clock is not None:
-            clock.drafted = self._now()
+        return CostModel.bucket(len(batch.reqs), mean_committed(batch))
 
     def record_round(
         self,
-        clock: RoundClock | None,
+        bucket: tuple[int, int] | None,
         gamma: int,
         rids: list[str],
         accept_lens: torch.Tensor,
-        draft_lens: list[int] | None = None,
+        clock: RoundClock,
     ) -> None:
-        """A round of `gamma` draft steps (fewer than chosen where every request stopped
-        drafting early) whose requests verified `draft_lens` drafts each (γ where not given)."""
-        if clock is None:
+        """A round of `gamma` draft steps, as `clock` timed its phases (a draft step's cost is
+        the round's time but the verify's, bookkeeping included), whose requests accepted
+        `accept_lens`."""
+        if bucket is None:
             return
-        round_seconds = self._now() - clock.started
-        draft_seconds = (clock.drafted - clock.started) / gamma
-        self.cost_model.record_round(clock.bucket, gamma, draft_seconds, round_seconds)
-        self.cost_model.record_acceptance(rids, accept_lens.tolist(), gamma, draft_lens)
+        round_seconds = clock.seconds["round"]
+        draft_seconds = (round_seconds - clock.seconds["verify"]) / gamma
+        self.cost_model.record_round(bucket, gamma, draft_seconds, round_seconds)
+        self.cost_model.record_acceptance(rids, accept_lens.tolist(), gamma)
 
-    def record_decode(self, clock: RoundClock | None) -> None:
-        if clock is not None:
-            self.cost_model.record_decode(clock.bucket, self._now() - clock.started)
+    def record_decode(self, bucket: tuple[int, int] | None, clock: RoundClock) -> None:
+        if bucket is not None:
+            self.cost_model.record_decode(bucket, clock.seconds["plain_decode"])
 
     def request_released(self, rid: str) -> None:
         self.cost_model.forget(rid)
-
-    def _now(self) -> float:
-        """Wall time after the device has finished what was queued (the one synchronisation
-        per timed point)."""
-        if self.on_cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
 
     def _decided_by_first_rank(self, decision: Decision) -> Decision:
         gamma = int(first_rank_values(self.tp_group, torch.tensor([decision.gamma])))

@@ -23,7 +23,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sglang_magicdec.config import ALGORITHM
-from sglang_magicdec.model import unsupported_attention
+from sglang_magicdec.launch_checks import unsupported_attention
 from sglang_magicdec.platforms import CPU_ATTENTION_BACKENDS
 from sglang_magicdec.spec_info import HeadSlots, MagicDecInput, draft_slots
 

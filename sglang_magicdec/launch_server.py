@@ -52,10 +52,10 @@ def prepare(argv: list[str]):
     from sglang.srt.server_args import prepare_server_args
 
     from sglang_magicdec.config import config_from_args
+    from sglang_magicdec.launch_checks import check_tensor_parallel
     from sglang_magicdec.model import (
         DEFAULT_MODEL,
         EmbeddedModelError,
-        check_tensor_parallel,
         embedded_model,
         embedded_model_path,
     )

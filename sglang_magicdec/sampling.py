@@ -137,7 +137,6 @@ def chain_rejection_sample(
     target_probs: torch.Tensor,
     accept_uniforms: torch.Tensor,
     final_uniforms: torch.Tensor,
-    draft_lens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify a chain of γ drafts per row.
 
@@ -146,9 +145,6 @@ def chain_rejection_sample(
     target_probs     [B, γ+1, V]   p_1..p_{γ+1} (p_j conditioned on x_<j)
     accept_uniforms  [B, γ]        u_j: x_j is kept iff u_j · q_j(x_j) < p_j(x_j)
     final_uniforms   [B]           the draw of the residual or bonus token
-    draft_lens       [B] or None   row b's chain is its first draft_lens[b] drafts (default γ):
-                                   where a row stopped drafting is decided by the draft alone,
-                                   and after its last draft the bonus token is drawn from p
 
     Returns (tokens [B, γ+1], accept_lens [B]): row b commits tokens[b, :accept_lens[b]] (the
     kept drafts, then the residual or bonus token); the rest of the row is padding.
@@ -158,15 +154,11 @@ def chain_rejection_sample(
     p_of_draft = target_probs[:, :gamma].gather(-1, draft_tokens[..., None])[..., 0]
     q_of_draft = draft_probs.gather(-1, draft_tokens[..., None])[..., 0]
     kept = accept_uniforms.to(q_of_draft.dtype) * q_of_draft < p_of_draft
-    if draft_lens is not None:
-        kept &= torch.arange(gamma, device=kept.device) < draft_lens[:, None]
     num_kept = kept.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B] in 0..γ
     # The position after the kept drafts: a residual (rejection) or the bonus distribution.
     p_next = target_probs[rows, num_kept]
     no_draft = draft_probs.new_zeros(batch, 1, draft_probs.shape[-1])
     q_next = torch.cat([draft_probs, no_draft], dim=1)[rows, num_kept]
-    if draft_lens is not None:  # past a row's last draft: the bonus, from p alone
-        q_next = torch.where((num_kept < draft_lens)[:, None], q_next, 0.0)
     residual = (p_next - q_next).clamp_min(0.0)
     mass = residual.sum(dim=-1, keepdim=True)
     # p == q on a rejected row (possible only through rounding): p itself is the right law.
@@ -177,17 +169,12 @@ def chain_rejection_sample(
     return tokens, (num_kept + 1).to(torch.int32)
 
 
-def greedy_accept(
-    tokens: torch.Tensor, target: torch.Tensor, draft_lens: torch.Tensor | None = None
-) -> torch.Tensor:
+def greedy_accept(tokens: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Greedy verification of a chain: [B] tokens committed per request.
 
     `tokens` [B, γ+1] are the round's x0 and drafts d1..dγ; `target` [B, γ+1] the target's
     argmax after each prefix tokens[:, :j+1]. Draft d_j is kept while every draft before it
-    was; the target's own token after the last kept one is committed too, so 1..γ+1. Row b's
-    chain is its first `draft_lens[b]` drafts where given (1..draft_lens[b]+1 committed).
+    was; the target's own token after the last kept one is committed too, so 1..γ+1.
     """
     agrees = tokens[:, 1:] == target[:, :-1]
-    if draft_lens is not None:
-        agrees &= torch.arange(agrees.shape[1], device=agrees.device) < draft_lens[:, None]
     return agrees.to(torch.int32).cumprod(dim=1).sum(dim=1, dtype=torch.int32) + 1

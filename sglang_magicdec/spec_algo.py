@@ -112,7 +112,7 @@ def validate_server_args(server_args) -> None:
     if server_args.pp_size > 1:
         raise ValueError(f"{ALGORITHM} does not run with pipeline parallelism (--pp-size > 1)")
     _check_prefix_cache(server_args)
-    from sglang_magicdec.model import check_attention_features
+    from sglang_magicdec.launch_checks import check_attention_features
 
     check_attention_features(server_args.model_path, ALGORITHM, server_args.trust_remote_code)
     from sglang.srt.arg_groups.model_override_base import attention_backends_of

@@ -58,12 +58,7 @@ class MagicDecInput(SpecInput):
     - fa3 (topk 1): `ragged_verify_layout` (None), then its own `speculative_num_draft_tokens`
       for the width, which `MagicDecAttnBackend` sets to `draft_token_num` for that call only;
       the batch's `seq_lens`, `seq_lens_cpu` (the eager page-table bound), `req_pool_indices`.
-    Positions come from `positions` ([B·width], S..S+γ per request) on every backend.
-
-    A ragged verify (requests that stopped drafting early: `widths`, host ints, each request's
-    chain length; `positions` then [Σ widths]) is made only for our CPU backend, which reads
-    `widths` as each request's query rows; the GPU backends above are always given a uniform
-    one."""
+    Positions come from `positions` ([B·width], S..S+γ per request) on every backend."""
 
     # SGLang pads a draft input's hidden states where it pads a batch (`_pad_inputs_to_size`:
     # DP attention, MLP sync); a MagicDec draft has none.
@@ -75,7 +70,6 @@ class MagicDecInput(SpecInput):
         positions: torch.Tensor | None = None,
         head_slots: torch.Tensor | None = None,
         kv_lens: torch.Tensor | None = None,
-        widths: list[int] | None = None,
     ):
         is_draft = head_slots is not None
         super().__init__(SpecInputType.EAGLE_DRAFT if is_draft else SpecInputType.NGRAM_VERIFY)
@@ -84,7 +78,6 @@ class MagicDecInput(SpecInput):
         self.num_tokens_for_logprob_per_req = draft_token_num
         self.positions = positions
         self.draft = HeadSlots(head_slots, kv_lens) if is_draft else None
-        self.widths = widths
 
     def generate_attn_arg_prefill(
         self,

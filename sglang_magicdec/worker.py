@@ -7,13 +7,8 @@ KV not computed yet), once the draft's slots of the whole batch are resolved int
 1. draft: γ DECODE forwards of the target model itself, whose attention reads only the request's
    draft slots (the draft policy's selection of committed positions, plus this round's tokens),
    writing draft KV into the round's reserved slots S..S+γ-1;
-   A request stops drafting early once its draft's own confidence (the product of the draft's
-   probabilities of the tokens it proposed) has fallen below `--magicdec-draft-stop`'s
-   threshold (every drafted token is verified), and the round's drafting ends when every
-   request has stopped;
 2. verify: one TARGET_VERIFY forward over [x0, d1..dγ] at positions S..S+γ with full attention,
-   which overwrites those slots with exact KV (on our CPU backend, only the tokens each request
-   drafted: a ragged verify);
+   which overwrites those slots with exact KV;
 3. accept: the longest prefix of drafts the target agrees with, plus the target's next token;
 4. commit: S += accepted + 1. Rejected slots stay reserved for the next round; the scheduler
    trims outputs at EOS, stop strings and max_new_tokens inside the accepted run.
@@ -26,52 +21,29 @@ the forward returns (`Scheduler._forward_isolation`).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 from sglang.srt.layers.logprob_processor import compute_spec_logprobs
 from sglang.srt.managers.schedule_batch import ScheduleBatch
 from sglang.srt.managers.tp_worker import TpModelWorker
 from sglang.srt.managers.utils import GenerationBatchResult
-from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.runtime_context import get_parallel, get_spec
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 
+from sglang_magicdec import round_batches
 from sglang_magicdec.acceptance import AcceptanceStats, SeededRows, acceptor_for
-from sglang_magicdec.attention import IndexAttnBackend
 from sglang_magicdec.config import MagicDecConfig
 from sglang_magicdec.debug_checks import check_ranks_agree, check_selection
 from sglang_magicdec.drafts.selection import make_selection
-from sglang_magicdec.gamma import GammaController, RoundClock
+from sglang_magicdec.gamma import GammaController
 from sglang_magicdec.metrics import MagicDecMetrics
 from sglang_magicdec.penalties import RoundPenalties
-from sglang_magicdec.spec_info import (
-    DraftPositions,
-    DraftRound,
-    MagicDecInput,
-    host_seq_lens,
-    to_device,
-)
+from sglang_magicdec.round_batches import Committed
+from sglang_magicdec.round_clock import RoundClock
+from sglang_magicdec.spec_info import DraftPositions, DraftRound, MagicDecInput, to_device
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Committed:
-    """The batch's committed lengths S at a round's start: on the device for the forwards, and
-    the scheduler's host copy for everything decided on the host (never copied back)."""
-
-    device: torch.Tensor  # [B] int64
-    host: torch.Tensor  # [B] int64
-    lengths: list[int]
-    total: int
-
-    @classmethod
-    def of(cls, batch: ScheduleBatch) -> Committed:
-        host = host_seq_lens(batch)
-        lengths = host.tolist()
-        return cls(batch.seq_lens.to(torch.int64), host.to(torch.int64), lengths, sum(lengths))
 
 
 class MagicDecWorker(BaseSpecWorker):
@@ -102,13 +74,9 @@ class MagicDecWorker(BaseSpecWorker):
         # from a generator every rank seeds and consumes alike (SGLang's sampler likewise relies
         # on identical seeds rather than syncing its tokens).
         self.tp_group = get_parallel().tp_group
-        self.gamma_control = GammaController(
-            self.gamma,
-            self.config.gamma == "auto",
-            self.tp_group,
-            self._on_cuda,
-            self.config.draft_stop_threshold,
-        )
+        auto = self.config.gamma == "auto"
+        self.gamma_control = GammaController(self.gamma, auto, self.tp_group)
+        self.clock = RoundClock(timed=auto, on_cuda=self._on_cuda)
         self.latest_gamma = 0  # of the latest decode batch (0: decoded without drafts)
         self.metrics: MagicDecMetrics | None = None  # created at the first publish
         self.rng = torch.Generator().manual_seed(target_worker.random_seed)
@@ -126,7 +94,6 @@ class MagicDecWorker(BaseSpecWorker):
             "budget": self.config.budget,
             "sinks": self.config.sinks,
             "gamma": self.gamma,
-            "draft_stop": self.config.draft_stop,
             **self.stats.summary(),
             **self.gamma_control.info(),
             **self.draft.info(),
@@ -162,12 +129,21 @@ class MagicDecWorker(BaseSpecWorker):
         self, batch: ScheduleBatch, on_publish=None, pp_proxy_tensors=None
     ) -> GenerationBatchResult:
         if not batch.forward_mode.is_decode():
-            return self._extend(batch, on_publish, pp_proxy_tensors)
+            with self.clock.phase("extend"):
+                return self._extend(batch, on_publish, pp_proxy_tensors)
         gamma = self.gamma_control.choose(batch) if self._can_speculate(batch) else 0
         self.latest_gamma = gamma
+        bucket = self.gamma_control.bucket(batch)
         if gamma == 0:
-            return self._plain_decode(batch, on_publish)
-        return self._speculate(batch, on_publish, gamma)
+            with self.clock.phase("plain_decode"):
+                result = self._plain_decode(batch, on_publish)
+            self.gamma_control.record_decode(bucket, self.clock)
+            return result
+        rids = [req.rid for req in batch.reqs]
+        with self.clock.phase("round"):
+            result = self._speculate(batch, on_publish, gamma)
+        self.gamma_control.record_round(bucket, gamma, rids, result.accept_lens, self.clock)
+        return result
 
     # -- extend: the target as usual (the draft watches) ----------------------------------------
 
@@ -197,92 +173,36 @@ class MagicDecWorker(BaseSpecWorker):
     # -- decode: draft, verify, accept, commit ------------------------------------------------
 
     def _speculate(self, batch: ScheduleBatch, on_publish, gamma: int) -> GenerationBatchResult:
-        clock = self.gamma_control.start(batch)
         committed = Committed.of(batch)
-        round_slots = self._round_slots(batch, committed.device, gamma + 1)
-        draft_round = self._draft_round(batch, committed, round_slots)
+        round_slots = self._round_slots(batch, committed, gamma + 1)
+        with self.clock.phase("draft_round"):
+            draft_round = self._draft_round(batch, committed, round_slots)
         acceptor = acceptor_for(batch, gamma, committed.device, self.rng, self.device)
         penalties = RoundPenalties.of(batch, self.device)
         draft_penalties = penalties and penalties.copy()
-        stop = self._draft_stop(batch, gamma)
         tokens = self._last_tokens(batch)
-        confidence = torch.ones(len(batch.reqs), device=tokens.device)
-        draft_lens = torch.zeros(len(batch.reqs), dtype=torch.int64, device=tokens.device)
-        steps = 0
-        while steps < gamma:
-            if stop > 0.0:
-                # Whether a request drafts token k is decided by its drafts before k (a stopping
-                # time), never by token k itself: a chain cut where its own last token fell
-                # below the threshold would verify only the likelier draws, and rejection
-                # sampling would no longer keep the target's law.
-                drafting = confidence >= stop  # a prefix of the steps: confidence only falls
-                if not drafting.any():
-                    break
-                draft_lens += drafting
-            logits = self._draft_step(batch, committed, steps, tokens, draft_round, round_slots)
+        for step in range(gamma):
+            logits = self._draft_step(batch, committed, step, tokens, draft_round, round_slots)
             if draft_penalties is not None:
                 draft_penalties.apply(logits)
-            proposed = acceptor.propose(logits, steps)
+            proposed = acceptor.propose(logits, step)
             if draft_penalties is not None:
                 draft_penalties.advance(proposed)
             tokens = torch.cat([tokens, proposed[:, None]], dim=1)
-            steps += 1
-            if stop > 0.0:
-                confidence *= acceptor.proposal_probs(logits, proposed)
-        self.gamma_control.drafted(clock)
-        if stop > 0.0:
-            # Where each request stopped was decided by the draft alone: the verified chain is
-            # its first draft_lens drafts, and nothing past the longest is verified.
-            tokens = tokens[:, : int(draft_lens.max()) + 1]
-            widths = (draft_lens + 1).tolist()
-        else:
-            draft_lens, widths = None, None
-        verify = self._verify(batch, committed, tokens, round_slots, widths)
+        with self.clock.phase("verify"):
+            verify = self._verify(batch, committed, tokens, round_slots)
         if penalties is not None:  # in place: logprobs read these logits too
             penalties.apply_chain(verify.logits_output.next_token_logits, tokens)
-        target, accept_lens = acceptor.accept(
-            tokens, verify.logits_output.next_token_logits, draft_lens
-        )
-        rows = sum(widths) if widths is not None else tokens.numel()
-        return self._commit(
-            batch, verify, target, accept_lens, draft_lens, rows, steps, clock, on_publish
-        )
+        target, accept_lens = acceptor.accept(tokens, verify.logits_output.next_token_logits)
+        with self.clock.phase("commit"):
+            return self._commit(batch, verify, target, accept_lens, on_publish)
 
-    def _draft_stop(self, batch: ScheduleBatch, gamma: int) -> float:
-        """The confidence threshold of this round's drafts (0: every request drafts γ).
-
-        Requests stop early only where the verify can carry each one's own chain: on our CPU
-        backends (one backend serves every mode unless SGLang built a hybrid or a two-batch
-        overlap wrapper, which are not ours); SGLang's GPU backends read one width. A batch
-        that returns logprobs keeps whole chains: SGLang reads their rows at one stride."""
-        if batch.return_logprob or not isinstance(self.model_runner.attn_backend, IndexAttnBackend):
-            return 0.0
-        return self.gamma_control.draft_stop(batch, gamma)
-
-    def _commit(
-        self,
-        batch,
-        verify,
-        target,
-        accept_lens,
-        draft_lens,
-        verified_rows: int,
-        draft_steps: int,
-        clock: RoundClock | None,
-        on_publish,
-    ) -> GenerationBatchResult:
-        """Request b commits target[b, :accept_lens[b]] of its draft_lens[b] verified drafts
-        (all of the round's where None), after `draft_steps` draft steps (fewer than γ where
-        every request stopped early) and a verify of `verified_rows` token rows: counted,
-        timed (as a round of `draft_steps`), and handed back."""
+    def _commit(self, batch, verify, target, accept_lens, on_publish) -> GenerationBatchResult:
+        """Request b commits target[b, :accept_lens[b]]: counted and handed back."""
         gamma = target.shape[1] - 1
         if self.config.debug and self.tp_group.world_size > 1:
             check_ranks_agree(self.tp_group, target, accept_lens)
-        lens = None if draft_lens is None else draft_lens.tolist()
-        drafted = gamma * len(batch.reqs) if lens is None else sum(lens)
-        self.stats.record(accept_lens, drafted, verified_rows)
-        rids = [req.rid for req in batch.reqs]
-        self.gamma_control.record_round(clock, draft_steps, rids, accept_lens, lens)
+        self.stats.record(accept_lens, gamma * len(batch.reqs))
         if batch.return_logprob:
             # Verify row b·(γ+1)+j is the target's distribution of target[b, j].
             compute_spec_logprobs(
@@ -295,12 +215,9 @@ class MagicDecWorker(BaseSpecWorker):
 
     def _plain_decode(self, batch: ScheduleBatch, on_publish) -> GenerationBatchResult:
         """One ordinary decode step (γ = 0) in the round's first reserved slot."""
-        clock = self.gamma_control.start(batch)
         committed = Committed.of(batch)
-        batch.input_ids = self._last_tokens(batch)[:, 0]
-        batch.out_cache_loc = self._round_slots(batch, committed.device, 1)[:, 0]
-        self._set_lens(batch, committed, 1)
-        batch.spec_info = None
+        slots = self._round_slots(batch, committed, 1)
+        round_batches.plain_decode(batch, committed, self._last_tokens(batch)[:, 0], slots)
         penalties = RoundPenalties.of(batch, self.device)
         if penalties is not None:
             # SGLang's state missed the tokens of earlier rounds but their last (its copy for
@@ -309,7 +226,6 @@ class MagicDecWorker(BaseSpecWorker):
             batch.sampling_info.acc_scaling_penalties = penalties.scaling()
         result = self.target_worker.forward_batch_generation(batch)
         self._take_seeded_tokens(batch, result, committed.device)
-        self.gamma_control.record_decode(clock)
         if batch.return_logprob:
             # Sampling computed them (its logits are probabilities by now); the scheduler reads a
             # speculative batch's logprobs as one row per request.
@@ -347,44 +263,15 @@ class MagicDecWorker(BaseSpecWorker):
 
     def _draft_step(self, batch, committed, step, tokens, draft_round, round_slots) -> torch.Tensor:
         """DECODE of token `step` at position S+step over the draft slots; returns logits."""
-        batch.forward_mode = ForwardMode.DECODE
-        batch.input_ids = tokens[:, step].contiguous()
-        batch.out_cache_loc = round_slots[:, step].contiguous()
-        self._set_lens(batch, committed, step + 1)
-        batch.spec_info = draft_round.step_input(step, committed.device + step)
-        result = self.target_worker.forward_batch_generation(batch, is_verify=True)
+        with self.clock.phase("draft_step"):
+            round_batches.draft_step(batch, committed, step, tokens, draft_round, round_slots)
+            result = self.target_worker.forward_batch_generation(batch, is_verify=True)
         return result.logits_output.next_token_logits
 
-    def _verify(
-        self, batch, committed, tokens, round_slots, widths: list[int] | None = None
-    ) -> GenerationBatchResult:
-        """TARGET_VERIFY over [x0, d1..dγ] at S..S+γ, full attention, exact KV into the slots;
-        with `widths`, request b's first widths[b] tokens only (its logits rows then padded
-        back to [B·(γ+1)], the rows past a request's chain repeating its last)."""
-        width = tokens.shape[1]
-        offsets = torch.arange(width, dtype=torch.int64, device=self.device)
-        positions = committed.device[:, None] + offsets
-        slots = round_slots[:, :width]
-        batch.forward_mode = ForwardMode.TARGET_VERIFY
-        self._set_lens(batch, committed, 0)
-        if widths is None:
-            batch.input_ids = tokens.reshape(-1).contiguous()
-            batch.out_cache_loc = slots.reshape(-1).contiguous()
-            batch.spec_info = MagicDecInput(draft_token_num=width, positions=positions.reshape(-1))
-            return self.target_worker.forward_batch_generation(batch, is_verify=True)
-        chain_lens = torch.tensor(widths, dtype=torch.int64, device=self.device)
-        verified = (offsets[None, :] < chain_lens[:, None]).reshape(-1)
-        batch.input_ids = tokens.reshape(-1)[verified]
-        batch.out_cache_loc = slots.reshape(-1)[verified]
-        batch.spec_info = MagicDecInput(
-            draft_token_num=width, positions=positions.reshape(-1)[verified], widths=widths
-        )
-        result = self.target_worker.forward_batch_generation(batch, is_verify=True)
-        starts = chain_lens.cumsum(0) - chain_lens
-        rows = starts[:, None] + torch.minimum(offsets[None, :], chain_lens[:, None] - 1)
-        output = result.logits_output
-        output.next_token_logits = output.next_token_logits[rows.reshape(-1)]
-        return result
+    def _verify(self, batch, committed, tokens, round_slots) -> GenerationBatchResult:
+        """TARGET_VERIFY over [x0, d1..dγ] at S..S+γ, full attention, exact KV into the slots."""
+        round_batches.verify(batch, committed, tokens, round_slots)
+        return self.target_worker.forward_batch_generation(batch, is_verify=True)
 
     # -- γ per batch ---------------------------------------------------------------------------
 
@@ -421,29 +308,14 @@ class MagicDecWorker(BaseSpecWorker):
             assert torch.allclose(sums, torch.ones_like(sums), atol=1e-3), "logits, not probs"
         seeded.take_from_sampler(result.next_token_ids, probs, batch.sampling_info, positions)
 
-    def _round_slots(
-        self, batch: ScheduleBatch, committed: torch.Tensor, width: int
-    ) -> torch.Tensor:
-        """[batch, width] pool slots reserved for positions S..S+width-1."""
-        positions = committed[:, None] + torch.arange(
-            width, dtype=torch.int64, device=committed.device
-        )
-        rows = batch.req_pool_indices.to(torch.int64)[:, None]
-        return self.req_to_token_pool.req_to_token[rows, positions].to(torch.int64)
+    def _round_slots(self, batch: ScheduleBatch, committed: Committed, width: int) -> torch.Tensor:
+        req_to_token = self.req_to_token_pool.req_to_token
+        return round_batches.round_slots(batch, req_to_token, committed, width)
 
     def _last_tokens(self, batch: ScheduleBatch) -> torch.Tensor:
         """[batch, 1] the last sampled token of each request: the round's x0."""
         tokens = torch.tensor([[req.output_ids[-1]] for req in batch.reqs], dtype=torch.int64)
         return to_device(tokens, self.device)
-
-    @staticmethod
-    def _set_lens(batch: ScheduleBatch, committed: Committed, offset: int) -> None:
-        """A forward attends to the committed lengths plus `offset`: set on the device and on
-        the host, each from its own copy."""
-        batch.seq_lens = (committed.device + offset).to(torch.int32)
-        batch.seq_lens_cpu = (committed.host + offset).to(torch.int32)
-        batch.seq_lens_sum = committed.total + offset * len(batch.reqs)
-        batch.orig_seq_lens = batch.seq_lens
 
     def _result(self, forward, accepted, accept_lens, new_seq_lens) -> GenerationBatchResult:
         """Pad each request's accepted tokens to the round's stride, as the scheduler reads them."""

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from benchmark.server_process import LAUNCH, ServerProcess, start_server
 from sglang_magicdec.model import SMOLLM2
-from sglang_magicdec.server_process import LAUNCH, ServerProcess, start_server
 from test.helpers import GAMMA, POOL_ARGS, SNAPKV, pg19_acceptance_prompts, run_concurrently
 
 # No model hub at run time: a test that reaches for the network must fail, not hang.

@@ -1,11 +1,10 @@
 """Run by `test_decode_forward.py` in a fresh process (SGLang's model runner sets process-wide
 state): the tiny model in SGLang's ModelRunner on our CPU platform, a ragged batch prefilled,
-then decode steps, and after every second one a MagicDec round built as `worker.py` builds it:
-γ draft DECODE steps over per-layer, per-KV-head slot lists (a strict subset of each request's
-committed slots, then the round's own), the TARGET_VERIFY of the γ + 1 tokens, and a ragged
-TARGET_VERIFY of the first 1..γ+1 of them per request (requests that stopped drafting early).
-Each forward runs twice on the same batch: through our decode forward and through SGLang's own
-layers; and each ragged verify row is compared with the same token's row of the full verify.
+then decode steps, and after every second one a MagicDec round whose batches
+`round_batches.py` builds, as it builds the worker's: γ draft DECODE steps over per-layer,
+per-KV-head slot lists (a strict subset of each request's committed slots, then the round's
+own) and the TARGET_VERIFY of the γ + 1 tokens. Each forward runs twice on the same batch:
+through our decode forward and through SGLang's own layers.
 Prints one JSON line: per kind of forward, for each one whether the logits are identical and how
 many times our decode forward ran in SGLang's path and in ours; and whether SGLang's ForwardBatch
 took the positions MagicDec handed it.
@@ -33,11 +32,13 @@ def main(model_path: str, dtype: str) -> None:
     import torch
     from sglang.benchmark import one_batch
     from sglang.srt.managers.schedule_batch import Req
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
     from sglang.srt.sampling.sampling_params import SamplingParams
 
+    from sglang_magicdec import round_batches
     from sglang_magicdec.platforms import decode_forward
-    from sglang_magicdec.spec_info import DraftPositions, DraftRound, MagicDecInput
+    from sglang_magicdec.round_batches import Committed
+    from sglang_magicdec.spec_info import DraftPositions, DraftRound
 
     lean_runs = []
     run = decode_forward.run
@@ -74,9 +75,8 @@ def main(model_path: str, dtype: str) -> None:
         next_ids, _, batch = one_batch.extend(reqs, runner)
         model = runner.model.model
         plan = decode_forward.plan_of(model)
-        forwards = {"decode": [], "draft": [], "verify": [], "ragged_verify": []}
+        forwards = {"decode": [], "draft": [], "verify": []}
         positions_taken = []
-        ragged_rows_equal = []
 
         def both_paths(kind: str, positions=None) -> torch.Tensor:
             """The batch's forward through SGLang's layers and through ours; our logits."""
@@ -96,13 +96,6 @@ def main(model_path: str, dtype: str) -> None:
             identical = torch.equal(logits["sglang"], logits["ours"])
             forwards[kind].append([identical, runs["sglang"], runs["ours"]])
             return logits["ours"]
-
-        def set_lens(committed: torch.Tensor, offset: int) -> None:
-            """As `MagicDecWorker._set_lens`: the committed lengths plus `offset`."""
-            batch.seq_lens = (committed + offset).to(torch.int32)
-            batch.seq_lens_cpu = (committed.cpu() + offset).to(torch.int32)
-            batch.seq_lens_sum = int(committed.sum()) + offset * len(batch.reqs)
-            batch.orig_seq_lens = batch.seq_lens
 
         def draft_positions(length: int, layers: int, heads: int) -> DraftPositions:
             """A per-layer, per-KV-head selection: half of the older positions (each head its
@@ -131,58 +124,34 @@ def main(model_path: str, dtype: str) -> None:
             req_to_token = runner.req_to_token_pool.req_to_token
             allocator = runner.token_to_kv_pool_allocator
             pool = runner.token_to_kv_pool
-            committed = batch.seq_lens.to(torch.int64)
+            committed = Committed.of(batch)
             width = GAMMA + 1
             offsets = torch.arange(width, dtype=torch.int64)
             # Slots for positions S..S+γ of each request, in its req_to_token row as the
             # scheduler reserves them for a round.
             slots = allocator.alloc(len(batch.reqs) * width)
-            round_slots = slots.view(len(batch.reqs), width).to(torch.int64)
             rows = batch.req_pool_indices.to(torch.int64)[:, None]
-            columns = committed[:, None] + offsets
+            columns = committed.device[:, None] + offsets
             old_row_entries = req_to_token[rows, columns].clone()
-            req_to_token[rows, columns] = round_slots.to(req_to_token.dtype)
+            req_to_token[rows, columns] = slots.view(len(batch.reqs), width).to(req_to_token.dtype)
             try:
+                round_slots = round_batches.round_slots(batch, req_to_token, committed, width)
                 positions = [
                     draft_positions(length, pool.layer_num, pool.head_num)
-                    for length in batch.seq_lens_cpu.tolist()
+                    for length in committed.lengths
                 ]
                 draft_round = DraftRound.build(
                     positions, req_to_token, batch.req_pool_indices, round_slots
                 )
                 tokens = x0.to(torch.int64)[:, None]
-                for step in range(GAMMA):  # as `MagicDecWorker._draft_step`
-                    batch.forward_mode = ForwardMode.DECODE
-                    batch.input_ids = tokens[:, step].contiguous()
-                    batch.out_cache_loc = round_slots[:, step].contiguous()
-                    set_lens(committed, step + 1)
-                    batch.spec_info = draft_round.step_input(step, committed + step)
-                    logits = both_paths("draft", committed + step)
+                for step in range(GAMMA):
+                    round_batches.draft_step(
+                        batch, committed, step, tokens, draft_round, round_slots
+                    )
+                    logits = both_paths("draft", committed.device + step)
                     tokens = torch.cat([tokens, logits.argmax(dim=-1)[:, None]], dim=1)
-                # as `MagicDecWorker._verify`
-                batch.forward_mode = ForwardMode.TARGET_VERIFY
-                batch.input_ids = tokens.reshape(-1).contiguous()
-                batch.out_cache_loc = round_slots[:, :width].reshape(-1).contiguous()
-                set_lens(committed, 0)
-                verify_positions = (committed[:, None] + offsets).reshape(-1)
-                batch.spec_info = MagicDecInput(draft_token_num=width, positions=verify_positions)
-                full = both_paths("verify", verify_positions).view(len(batch.reqs), width, -1)
-                # as `MagicDecWorker._verify` with widths: request b's first widths[b] tokens
-                widths = [1 + (b + len(forwards["ragged_verify"])) % width for b in range(3)]
-                chain_lens = torch.tensor(widths)
-                verified = (offsets[None, :] < chain_lens[:, None]).reshape(-1)
-                batch.input_ids = tokens.reshape(-1)[verified]
-                batch.out_cache_loc = round_slots[:, :width].reshape(-1)[verified]
-                batch.spec_info = MagicDecInput(
-                    draft_token_num=width,
-                    positions=verify_positions[verified],
-                    widths=widths,
-                )
-                ragged = both_paths("ragged_verify", verify_positions[verified])
-                expected = torch.cat([full[b, :w] for b, w in enumerate(widths)])
-                ragged_rows_equal.append(
-                    [int(verified.sum()), verified.numel(), torch.equal(ragged, expected)]
-                )
+                round_batches.verify(batch, committed, tokens, round_slots)
+                both_paths("verify", (committed.device[:, None] + offsets).reshape(-1))
             finally:
                 req_to_token[rows, columns] = old_row_entries
                 allocator.free(slots)
@@ -199,7 +168,6 @@ def main(model_path: str, dtype: str) -> None:
             "planned": plan is not None,
             "forwards": forwards,
             "positions_taken": positions_taken,
-            "ragged_rows_equal": ragged_rows_equal,
         }
         print("RESULT " + json.dumps(result), flush=True)
 

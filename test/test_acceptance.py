@@ -16,10 +16,9 @@ from sglang_magicdec.acceptance import (
     acceptor_for,
 )
 from sglang_magicdec.gamma import GammaController
+from sglang_magicdec.round_clock import RoundClock
 from sglang_magicdec.sampling import (
-    chain_rejection_sample,
     greedy_accept,
-    sampling_probs,
     seeded_sample,
 )
 
@@ -126,11 +125,12 @@ class FakeGroup:
 
 
 def test_fixed_gamma_never_times_and_reports_itself():
-    control = GammaController(3, auto=False, tp_group=FakeGroup(), on_cuda=False)
+    control = GammaController(3, auto=False, tp_group=FakeGroup())
     batch = make_batch([None], [1], [100])
     assert control.choose(batch) == 3
-    assert control.start(batch) is None
-    control.record_round(None, 3, ["r0"], torch.tensor([4]))  # nothing to record
+    assert control.bucket(batch) is None
+    clock = RoundClock(timed=False, on_cuda=False)
+    control.record_round(None, 3, ["r0"], torch.tensor([4]), clock)  # nothing to record
     assert control.info() == {"gamma_mode": "fixed", "current_gamma": 3}
 
 
@@ -139,21 +139,21 @@ def test_auto_gamma_decides_from_the_rounds_it_timed(round_seconds, expected_gam
     """Under γ = auto the controller first calibrates (plain steps and rounds it times), then
     the cost model decides from those times: against 10 ms plain steps, a round dearer than
     its tokens' worth of plain steps makes it pick γ = 0, a cheap one the largest γ."""
-    control = GammaController(2, auto=True, tp_group=FakeGroup(), on_cuda=False)
+    control = GammaController(2, auto=True, tp_group=FakeGroup())
     batch = make_batch([None, None], [1, 1], [4096, 4096])
+    clock = RoundClock(timed=True, on_cuda=False)
+    clock.seconds = {"plain_decode": 0.010, "round": round_seconds, "verify": round_seconds / 2}
     reasons = []
     for _ in range(40):
         gamma = control.choose(batch)
         reasons.append((control.cost_model.last.reason, gamma))
-        clock = control.start(batch)
-        assert clock is not None
+        bucket = control.bucket(batch)
+        assert bucket is not None
         if gamma == 0:
-            clock.started -= 0.010
-            control.record_decode(clock)
+            control.record_decode(bucket, clock)
         else:
-            clock.started -= round_seconds
-            control.drafted(clock)
-            control.record_round(clock, gamma, ["r0", "r1"], torch.tensor([gamma + 1] * 2))
+            accept_lens = torch.tensor([gamma + 1] * 2)
+            control.record_round(bucket, gamma, ["r0", "r1"], accept_lens, clock)
     assert reasons[0][0].startswith("calibrating")
     model_gammas = {gamma for reason, gamma in reasons if reason == "model"}
     assert model_gammas == {expected_gamma}, reasons
@@ -161,31 +161,3 @@ def test_auto_gamma_decides_from_the_rounds_it_timed(round_seconds, expected_gam
     assert info["gamma_mode"] == "auto"
     (bucket,) = info["gamma_by_bucket"].values()
     assert bucket["model_gamma"] == expected_gamma
-
-
-def test_a_round_cut_short_tests_its_chain_with_uniforms_no_draft_was_drawn_with():
-    """Every request stopped after 1 of 3 planned drafts (the draft's own draws decided that),
-    so the round verifies chains of one draft: the acceptance test and the bonus draw use the
-    uniforms set apart for them (columns γ.. of the planned γ = 3), never the draft's (0..2)."""
-    batch = make_batch([None, None], [TOP_K_ALL, TOP_K_ALL], [10, 20])
-    acceptor = acceptor_for(batch, 3, batch.seq_lens, torch.Generator().manual_seed(0), "cpu")
-    generator = torch.Generator().manual_seed(1)
-    tokens = torch.zeros(2, 1, dtype=torch.int64)
-    for step in range(2):  # the second draft was drawn, then every request had stopped
-        logits = torch.randn(2, VOCAB, generator=generator)
-        tokens = torch.cat([tokens, acceptor.propose(logits, step)[:, None]], dim=1)
-    chain = tokens[:, :2]
-    draft_lens = torch.tensor([1, 1])
-    target_logits = torch.randn(4, VOCAB, generator=generator)
-    target, accept_lens = acceptor.accept(chain, target_logits, draft_lens)
-    target_probs = sampling_probs(target_logits, acceptor.temperatures.repeat_interleave(2), None)
-    expected = chain_rejection_sample(
-        chain[:, 1:],
-        acceptor.draft_probs[0][:, None],
-        target_probs.view(2, 2, -1),
-        acceptor.uniforms[:, 3:4],
-        acceptor.uniforms[:, 6],
-        draft_lens,
-    )
-    assert torch.equal(target, expected[0]) and torch.equal(accept_lens, expected[1])
-    assert (accept_lens <= 2).all()

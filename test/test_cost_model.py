@@ -256,35 +256,3 @@ def test_a_shrinking_batch_does_not_make_the_full_batch_look_cheaper():
     model.record_round(full, 2, draft_seconds=0.03, round_seconds=0.31)
     model.record_round(tail, 2, draft_seconds=0.02, round_seconds=0.22)
     assert model.costs[full].round(2) == 0.31
-
-
-def test_the_draft_stop_threshold_is_a_verify_rows_cost_in_tokens():
-    """τ = t_row / t_token from the bucket's measured costs: zero before calibration, then the
-    verify's time beyond a plain step per extra row over the round's time per predicted token
-    (here: 8 requests, plain step 0.1 s, draft step 0.03 s, a γ = 3 round 0.25 s, so verify
-    0.16 s = 0.06 s beyond a plain step for 24 extra rows; α 0.8 predicts Ω = 2.952 each)."""
-    model = CostModel(gamma_max=3, calibration_rounds=1, prior_alpha=0.8)
-    rids = [f"r{i}" for i in range(8)]
-    assert model.draft_stop_threshold(rids, 8000, 3) == 0.0  # nothing measured yet
-    bucket = CostModel.bucket(8, 8000)
-    model.record_decode(bucket, 0.1)
-    model.record_round(bucket, 3, draft_seconds=0.03, round_seconds=0.25)
-    model.record_round(bucket, 1, draft_seconds=0.03, round_seconds=0.15)
-    omega = expected_tokens_per_round(3, 0.8)
-    t_row, t_token = 0.06 / 24, 0.25 / (8 * omega)
-    assert model.draft_stop_threshold(rids, 8000, 3) == pytest.approx(t_row / t_token)
-    # A verify that costs no more than a plain step: every draft is worth verifying.
-    cheap = CostModel(gamma_max=3, calibration_rounds=1)
-    cheap.record_decode(bucket, 0.1)
-    cheap.record_round(bucket, 3, draft_seconds=0.03, round_seconds=0.17)
-    cheap.record_round(bucket, 1, draft_seconds=0.03, round_seconds=0.13)
-    assert cheap.draft_stop_threshold(rids, 8000, 3) == 0.0
-
-
-def test_a_request_that_stopped_drafting_is_tested_only_on_its_drafts():
-    """Acceptance counts the drafts each request verified: one that drafted 1 and had it kept
-    tested 1 draft (not 3), so its α is not pulled down by drafts it never made."""
-    model = CostModel(gamma_max=3, prior_weight=1e-9)
-    model.record_acceptance(["short", "full"], [2, 2], gamma=3, draft_lens=[1, 3])
-    assert model.alpha("short") == pytest.approx(1.0)
-    assert model.alpha("full") == pytest.approx(0.5)  # 1 kept, then a rejection

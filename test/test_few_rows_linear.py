@@ -11,13 +11,12 @@ import torch
 
 from magicdec_kernels import cpu_native
 from magicdec_kernels.cpu_native import (
-    FEW_ROWS_MAX,
     few_rows_linear,
     pack_rows,
     packed_rows,
     supports_few_rows,
 )
-from magicdec_kernels.loader import native
+from magicdec_kernels.loader import capabilities, native
 from sglang_magicdec.platforms.torch_ops import few_rows_product, weight_major_product
 from test.references import few_rows_linear_torch
 
@@ -166,9 +165,9 @@ def test_bad_operands_raise():
 @DTYPES
 def test_the_linear_hook_takes_native_up_to_its_row_limit(dtype):
     """`few_rows_product` (the decode-sized linear hook) runs the native kernel up to
-    FEW_ROWS_MAX rows, then the weight-major torch product, with the same results up to
-    float rounding; over 64 rows it leaves the product to SGLang."""
-    limit = FEW_ROWS_MAX[dtype]
+    `Capabilities.few_rows_max` rows, then the weight-major torch product, with the same
+    results up to float rounding; over 64 rows it leaves the product to SGLang."""
+    limit = capabilities().few_rows_max(dtype)
     x, weight = _operands(limit + 1, 192, 40, dtype, seed=4)
     native_rows = x[:limit]
     assert supports_few_rows(native_rows, weight) and not supports_few_rows(x, weight)

@@ -106,3 +106,19 @@ def test_a_circle_is_found():
     """The check itself: a two-module and a three-module circle, and a chain that is none."""
     graph = {"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"e"}, "e": {"c"}, "f": {"a"}}
     assert sorted(circles(graph)) == [["a", "b"], ["c", "d", "e"]]
+
+
+def test_the_runtime_packages_import_no_harness():
+    """What a server runs never imports the test or benchmark harness (`benchmark/`, `test/`)."""
+    importers = []
+    for module, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            else:
+                continue
+            if any(name.split(".")[0] in ("benchmark", "test") for name in names):
+                importers.append(module)
+    assert importers == []

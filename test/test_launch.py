@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from benchmark.server_process import LAUNCH
 from sglang_magicdec.launch_server import LaunchError, prepare
-from sglang_magicdec.server_process import LAUNCH
 from test.helpers import REPO, SNAPKV
 
 # The command line itself, run as users run it: each run imports SGLang (~15 s of one core), so

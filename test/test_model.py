@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from sglang_magicdec import model
+from sglang_magicdec import launch_checks, model
 
 
 def test_conversion_is_idempotent():
@@ -123,7 +123,7 @@ def test_attention_the_drafts_cannot_compute_is_refused(tmp_path, name, kwargs, 
 
     getattr(transformers, name)(**kwargs).save_pretrained(tmp_path)
     with pytest.raises(ValueError) as refused:
-        model.check_attention_features(str(tmp_path), "MAGICDEC")
+        launch_checks.check_attention_features(str(tmp_path), "MAGICDEC")
     assert feature in str(refused.value) and "\n" not in str(refused.value)
 
 
@@ -139,9 +139,9 @@ def test_plain_causal_attention_is_accepted(tmp_path, name, kwargs):
     import transformers
 
     getattr(transformers, name)(**kwargs).save_pretrained(tmp_path)
-    model.check_attention_features(str(tmp_path), "MAGICDEC")
+    launch_checks.check_attention_features(str(tmp_path), "MAGICDEC")
     for embedded in model.EMBEDDED_MODELS.values():
-        model.check_attention_features(model.embedded_model_path(embedded), "MAGICDEC")
+        launch_checks.check_attention_features(model.embedded_model_path(embedded), "MAGICDEC")
 
 
 def test_layers_the_drafts_cannot_compute_are_named():
@@ -150,7 +150,7 @@ def test_layers_the_drafts_cannot_compute_are_named():
     def layer(**kwargs):
         return RadixAttention(4, 64, 0.125, 2, layer_id=0, **kwargs)
 
-    assert model.unsupported_attention(layer()) is None
-    assert model.unsupported_attention(layer(sliding_window_size=128)) == "a sliding window"
-    assert model.unsupported_attention(layer(logit_cap=30.0)) == "logit soft-capping"
-    assert model.unsupported_attention(layer(), sinks=object()) == "attention sinks"
+    assert launch_checks.unsupported_attention(layer()) is None
+    assert launch_checks.unsupported_attention(layer(sliding_window_size=128)) == "a sliding window"
+    assert launch_checks.unsupported_attention(layer(logit_cap=30.0)) == "logit soft-capping"
+    assert launch_checks.unsupported_attention(layer(), sinks=object()) == "attention sinks"

@@ -1,5 +1,6 @@
 """The CPU platform plugin activates only where it should."""
 
+import os
 import sys
 
 import pytest
@@ -62,19 +63,46 @@ def test_threads_bind_splits_the_cores_between_ranks(cores, ranks, expected):
 
 
 @pytest.mark.parametrize(
-    "flags,dtype",
+    "avx512_bf16,amx_bf16,dtype",
     [
-        ({"avx2", "avx512f", "avx512_bf16"}, "bfloat16"),  # AMD Zen 4, Intel Cooper Lake
-        ({"avx2", "avx512f", "amx_bf16", "amx_tile"}, "bfloat16"),  # Intel Sapphire Rapids
-        ({"avx2", "avx512f"}, "float32"),  # AVX-512 without bf16 products
-        ({"avx2", "fma"}, "float32"),
-        (set(), "float32"),  # no /proc/cpuinfo
+        (True, False, "bfloat16"),  # AMD Zen 4, Intel Cooper Lake
+        (True, True, "bfloat16"),  # Intel Sapphire Rapids
+        (False, False, "float32"),  # AVX-512 or AVX2 without bf16 products
     ],
 )
-def test_dtype_auto_is_bf16_where_the_cpu_multiplies_bf16(flags, dtype):
+def test_dtype_auto_is_bf16_where_the_cpu_multiplies_bf16(avx512_bf16, amx_bf16, dtype):
+    from magicdec_kernels.loader import Capabilities
     from sglang_magicdec.platforms.cpu import default_dtype
 
-    assert default_dtype(frozenset(flags)) == dtype
+    cpu = Capabilities(isa="avx512", avx512_bf16=avx512_bf16, amx_bf16=amx_bf16)
+    assert default_dtype(cpu) == dtype
+
+
+def _linux_cpu_flags() -> set[str]:
+    for line in open("/proc/cpuinfo").read().splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return set()
+
+
+@pytest.mark.skipif(
+    not os.path.exists("/proc/cpuinfo"), reason="Linux's /proc/cpuinfo is the reference here"
+)
+def test_the_native_capability_query_agrees_with_linux():
+    """CPUID as the native module reads it says what Linux says of bf16 products and AMX (a
+    kernel that cannot save the tile state lists no amx flags), and the ISA the kernels run is
+    the widest the flags allow."""
+    from magicdec_kernels.loader import capabilities, native
+
+    if native() is None:
+        pytest.skip("the native CPU kernels did not build or load: nothing to query")
+    flags = _linux_cpu_flags()
+    cpu = capabilities()
+    assert cpu.avx512_bf16 == ("avx512_bf16" in flags and "avx512f" in flags)
+    assert cpu.amx_bf16 == ("amx_bf16" in flags and "amx_tile" in flags)
+    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"} <= flags
+    expected = "avx512bf16" if avx512 and cpu.avx512_bf16 else "avx512" if avx512 else "avx2"
+    assert cpu.isa == expected
 
 
 def _vm_flags(address: int) -> list[str]:

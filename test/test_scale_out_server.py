@@ -22,8 +22,8 @@ import pytest
 import requests
 import torch
 
+from benchmark.server_process import LAUNCH, ServerProcess, free_port, start_server
 from sglang_magicdec.sampling import counter_uniforms
-from sglang_magicdec.server_process import LAUNCH, ServerProcess, free_port, start_server
 from test.helpers import TIE_GAP, assert_same_or_tie, pg19_prompts, pg19_texts, start_together
 
 pytestmark = pytest.mark.server  # starts real SGLang servers

@@ -5,7 +5,7 @@ import pytest
 import requests
 import sglang  # noqa: F401 - resolves SGLang's platform before platforms.cpu is imported (its rule)
 
-from magicdec_kernels.loader import cpu_flags
+from magicdec_kernels.loader import capabilities
 from sglang_magicdec.model import SMOLLM2
 from sglang_magicdec.platforms import ATTENTION_BACKEND
 from sglang_magicdec.platforms.cpu import default_dtype
@@ -24,7 +24,7 @@ def test_cpu_defaults_need_no_flags(server):
     info = requests.get(f"{server.url}/get_server_info", timeout=10).json()
     assert info["device"] == "cpu"
     assert info["attention_backend"] == ATTENTION_BACKEND
-    assert info["dtype"] == default_dtype(cpu_flags())
+    assert info["dtype"] == default_dtype(capabilities())
 
 
 def test_openai_chat_answers_a_factual_question(server):
@@ -85,7 +85,7 @@ def test_a_port_taken_before_the_server_binds_it_is_retried(tmp_path, monkeypatc
     another port."""
     import socket
 
-    from sglang_magicdec import server_process
+    from benchmark import server_process
 
     with socket.socket() as holder:  # bound, not listening: a bind fails, a connect is refused
         holder.bind(("127.0.0.1", 0))

@@ -46,9 +46,9 @@ import requests
 from benchmark.common import DEFAULT_DATA, load_tokenizer
 from benchmark.floors import ModelShape, read_bandwidth
 from benchmark.peers.engines import LlamaCpp, PeerUnavailable, Vllm
+from benchmark.server_process import LAUNCH, start_server
 from benchmark.suite import load_prompts
 from sglang_magicdec.model import SMOLLM2, cache_root, embedded_model_path, part_paths
-from sglang_magicdec.server_process import LAUNCH, start_server
 
 OURS = "sglang-magicdec"
 MODES = {

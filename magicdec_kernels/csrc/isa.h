@@ -22,6 +22,7 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #define MAGICDEC_X86 1
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -52,6 +53,24 @@ inline bool cpu_runs(Isa isa) {
   return false;
 #else
   return isa == Isa::kScalar;
+#endif
+}
+
+// AMX with bf16 tiles, usable: CPUID.(7,0):EDX has AMX-BF16 (bit 22) and AMX-TILE (bit 24), and
+// the OS saves the tile state (XCR0 bits 17 and 18). Our kernels do not use it; oneDNN's bf16
+// products do, which changes which product is faster (loader.Capabilities.few_rows_max).
+inline bool cpu_has_amx_bf16() {
+#ifdef MAGICDEC_X86
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  if (!((edx >> 22) & 1) || !((edx >> 24) & 1)) return false;
+  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !((ecx >> 27) & 1)) return false;  // OSXSAVE
+  unsigned xcr0_low, xcr0_high;
+  __asm__("xgetbv" : "=a"(xcr0_low), "=d"(xcr0_high) : "c"(0));
+  constexpr unsigned kTileState = (1u << 17) | (1u << 18);
+  return (xcr0_low & kTileState) == kTileState;
+#else
+  return false;
 #endif
 }
 

@@ -4,9 +4,9 @@
 // SGLang reaches them: sglang_magicdec/platforms/torch_ops.py.)
 //
 // SGLang's torch versions of these are 5 to 20 small torch ops each. At decode sizes (a few
-// rows) every op costs its dispatch, not its arithmetic: 80-270 us per call on two cores, about
-// 20 ms of a 30-layer forward, as much as reading the weights of a 135M model. Here a call costs
-// a few microseconds.
+// rows) every op costs its dispatch, not its arithmetic, which over a 30-layer forward weighs as
+// much as reading a 135M model's weights (benchmark/results/HISTORY.md, block 1). Here a call
+// costs a few microseconds.
 //
 // Every result is computed row by row in a fixed order with the roundings of the torch version
 // (products and sums rounded separately: no FMA contraction; a bf16 result rounded wherever torch

@@ -60,6 +60,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "best_isa", [] { return std::string(isa_name(available_isas().front())); },
       "The instruction set 'auto' picks on this CPU.");
   m.def(
+      "capabilities",
+      [] {
+        py::dict found;
+        found["isa"] = std::string(isa_name(available_isas().front()));
+        found["avx512_bf16"] = cpu_runs(Isa::kAvx512Bf16);
+        found["amx_bf16"] = cpu_has_amx_bf16();
+        return found;
+      },
+      "What this CPU runs: the widest instruction set ('isa'), and whether it has AVX512-BF16 "
+      "('avx512_bf16') and usable AMX bf16 tiles ('amx_bf16').");
+  m.def(
       "isas",
       [] {
         std::vector<std::string> names;

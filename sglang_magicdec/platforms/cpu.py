@@ -12,7 +12,7 @@ from sglang.srt.platforms.cpu import CpuDeviceMixin
 from sglang.srt.platforms.device_mixin import PlatformEnum
 from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
 
-from magicdec_kernels.loader import cpu_flags
+from magicdec_kernels.loader import Capabilities, capabilities
 from sglang_magicdec.platforms import ATTENTION_BACKEND
 
 DEFAULT_MEM_FRACTION = 0.25
@@ -21,8 +21,6 @@ DEFAULT_MEM_FRACTION = 0.25
 # this server loads (a second server zeroing its KV pool) fails a 0.25 check that this server's
 # own weights never would: the check then keeps a tenth of the free RAM back, not three quarters.
 FIXED_POOL_MEM_FRACTION = 0.9
-# CPU flags of native bf16 products (`vdpbf16ps`, AMX tiles): there `--dtype auto` is bfloat16.
-BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 # SGLang's CPU ranks bind their threads to this, one '|'-separated group per rank; unset, it
 # allows one rank per NUMA node (this machine has one).
 THREADS_BIND = "SGLANG_CPU_OMP_THREADS_BIND"
@@ -46,11 +44,11 @@ def threads_bind(cores: list[int], ranks: int) -> str:
     return "|".join(groups)
 
 
-def default_dtype(flags: frozenset[str]) -> str:
+def default_dtype(cpu: Capabilities) -> str:
     """`--dtype auto` on our platform: bfloat16 on a CPU with native bf16 products (half the
     bytes of float32 per step, and greedy output the bf16 model's), float32 elsewhere (where bf16
     arithmetic is emulated and no faster)."""
-    return "bfloat16" if any(flag in flags for flag in BF16_FLAGS) else "float32"
+    return "bfloat16" if cpu.bf16_products else "float32"
 
 
 class MagicDecCpuPlatform(CpuDeviceMixin, SRTPlatform):
@@ -70,7 +68,7 @@ class MagicDecCpuPlatform(CpuDeviceMixin, SRTPlatform):
         if server_args.dtype == "auto":
             # SGLang's "auto" halves float32 checkpoints to float16 for GPUs; a CPU gains nothing
             # from fp16, but one that multiplies bf16 natively decodes bf16 ~2x faster than fp32.
-            server_args.dtype = default_dtype(cpu_flags())
+            server_args.dtype = default_dtype(capabilities())
         ranks = server_args.tp_size * server_args.dp_size * server_args.pp_size
         if ranks > 1 and THREADS_BIND not in os.environ:
             # Set in the launcher, which starts the ranks: `--tp 2` needs no extra environment.

@@ -4,8 +4,8 @@ backend), called one after another instead of through SGLang's per-layer machine
 
 At decode sizes on two cores a layer's dozen ops are each a short native call, but SGLang's
 machinery around them (module calls, stage boundaries and the residual stream, fused-op dispatch,
-the linear hooks) adds about a millisecond per layer: ~29 ms of a 75 ms float32 draft step at
-batch 8 × 8K, half of a bfloat16 one (`benchmark/profile_round.py`). This forward runs the same
+the linear hooks) costs more than the ops (`benchmark/profile_round.py`; figures in
+`benchmark/results/HISTORY.md`, block 1). This forward runs the same
 kernels with the same inputs, so its logits are bit-identical to SGLang's forward's
 (`test/test_decode_forward.py` compares them). It runs only where every layer is one SGLang would
 run as described: one rank, plain Llama layers (`LlamaDecoderLayer`: SmolLM2, Llama 3, Mistral) or

@@ -14,13 +14,11 @@ move, so this subclass skips the warm-up and selects the fallback.
 The buffers of all layers are carved from one allocation advised into transparent huge pages
 (`madvise(MADV_HUGEPAGE)`, before its pages are first touched), where Linux allows it: a KV
 head's keys of one request span hundreds of 4 KiB pages, and with 2 MiB pages the kernels'
-reads miss the TLB far less (bf16 at batch 8 x 7,936, against 4 KiB pages in the same process:
-decode attention 0.83-0.98x, verify 0.92-0.98x, a 600-slot sparse draft 0.60-0.71x the time;
-`benchmark/bench_huge_pages.py`). Elsewhere, or where the kernel says no, the pages are ordinary
-ones.
+reads miss the TLB far less (`benchmark/bench_huge_pages.py`; `benchmark/results/huge_pages/`).
+Elsewhere, or where the kernel says no, the pages are ordinary ones.
 
 A forward's KV write is one native call (`cpu_native.store_kv`) instead of SGLang's two indexed
-assignments into the permuted view (~90 us per layer at decode sizes on two cores).
+assignments into the permuted view, which at decode sizes cost their dispatch.
 """
 
 from __future__ import annotations

@@ -98,8 +98,8 @@ def decode_sized_lm_head(
 
 
 # -- a decoder layer's per-token ops --------------------------------------------------------------
-# At decode sizes SGLang's torch versions cost their dispatch, not their arithmetic (80-270 us per
-# call, ~20 ms of SmolLM2's 30-layer forward on two cores); the native ones a few us.
+# At decode sizes SGLang's torch versions cost their dispatch, not their arithmetic; the native
+# ones a few microseconds (`benchmark/results/HISTORY.md`, block 1).
 
 
 def _as_rows(x: torch.Tensor, width: int) -> torch.Tensor | None:
