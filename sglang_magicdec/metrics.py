@@ -17,6 +17,10 @@ REPORT_DECODE_STATS = (
     "SchedulerMetricsReporter.report_decode_stats"
 )
 
+# Why a decode batch ran without drafts: the cost model chose γ = 0 (γ = auto), or the batch has
+# something a round does not follow (`MagicDecWorker._cannot_speculate`).
+PLAIN_REASONS = ("cost_model", "grammar", "custom_logit_processor", "sampled_logprobs")
+
 # Worker counter (as in `/get_server_info`'s `magicdec` block) -> (metric, documentation).
 COUNTERS = {
     "verify_rounds": (
@@ -58,15 +62,33 @@ class MagicDecMetrics:
             for key, (name, doc) in COUNTERS.items()
         }
         self.published = dict.fromkeys(COUNTERS, 0)
+        plain = Counter(
+            name="sglang:magicdec_plain_batches_total",
+            documentation="Decode batches MagicDec ran as plain steps (no drafts), by reason "
+            "(cost_model: γ = auto chose 0; grammar, custom_logit_processor, sampled_logprobs).",
+            labelnames=[*labels.keys(), "reason"],
+        )
+        self.plain_batches = {
+            reason: plain.labels(**labels, reason=reason) for reason in PLAIN_REASONS
+        }
+        self.published_plain = dict.fromkeys(PLAIN_REASONS, 0)
 
-    def publish(self, counts: dict[str, int], gamma: int) -> None:
+    def publish(self, counts: dict[str, int], plain_batches: dict[str, int], gamma: int) -> None:
         """Set γ and bring each counter up to the worker's lifetime count."""
         self.gamma.set(gamma)
         for key, counter in self.counters.items():
-            increase = counts.get(key, 0) - self.published[key]
-            if increase > 0:
-                counter.inc(increase)
-                self.published[key] += increase
+            self.published[key] += _catch_up(counter, counts.get(key, 0), self.published[key])
+        for reason, counter in self.plain_batches.items():
+            count, published = plain_batches.get(reason, 0), self.published_plain[reason]
+            self.published_plain[reason] += _catch_up(counter, count, published)
+
+
+def _catch_up(counter, count: int, published: int) -> int:
+    """Increase `counter` from `published` to `count`; returns by how much."""
+    increase = max(count - published, 0)
+    if increase:
+        counter.inc(increase)
+    return increase
 
 
 def publish_after_decode(result, reporter, *args, **kwargs):

@@ -37,7 +37,7 @@ from sglang_magicdec.config import MagicDecConfig
 from sglang_magicdec.debug_checks import check_ranks_agree, check_selection
 from sglang_magicdec.drafts.selection import make_selection
 from sglang_magicdec.gamma import GammaController
-from sglang_magicdec.metrics import MagicDecMetrics
+from sglang_magicdec.metrics import PLAIN_REASONS, MagicDecMetrics
 from sglang_magicdec.penalties import RoundPenalties
 from sglang_magicdec.round_batches import Committed
 from sglang_magicdec.round_clock import RoundClock
@@ -78,6 +78,8 @@ class MagicDecWorker(BaseSpecWorker):
         self.gamma_control = GammaController(self.gamma, auto, self.tp_group)
         self.clock = RoundClock(timed=auto, on_cuda=self._on_cuda)
         self.latest_gamma = 0  # of the latest decode batch (0: decoded without drafts)
+        # Decode batches run as plain steps, by why (`PLAIN_REASONS`).
+        self.plain_batches = dict.fromkeys(PLAIN_REASONS, 0)
         self.metrics: MagicDecMetrics | None = None  # created at the first publish
         self.rng = torch.Generator().manual_seed(target_worker.random_seed)
         logger.info(
@@ -95,6 +97,7 @@ class MagicDecWorker(BaseSpecWorker):
             "sinks": self.config.sinks,
             "gamma": self.gamma,
             **self.stats.summary(),
+            "plain_batches": dict(self.plain_batches),
             **self.gamma_control.info(),
             **self.draft.info(),
         }
@@ -118,7 +121,7 @@ class MagicDecWorker(BaseSpecWorker):
         if self.metrics is None:
             self.metrics = MagicDecMetrics(labels)
         counts = {"verify_rounds": self.stats.request_rounds, **self.draft.info()}
-        self.metrics.publish(counts, self.latest_gamma)
+        self.metrics.publish(counts, self.plain_batches, self.latest_gamma)
 
     def alloc_memory_pool(self, **kwargs) -> None:
         self.req_to_token_pool, self.token_to_kv_pool_allocator = (
@@ -131,10 +134,12 @@ class MagicDecWorker(BaseSpecWorker):
         if not batch.forward_mode.is_decode():
             with self.clock.phase("extend"):
                 return self._extend(batch, on_publish, pp_proxy_tensors)
-        gamma = self.gamma_control.choose(batch) if self._can_speculate(batch) else 0
+        plain_reason = self._cannot_speculate(batch)
+        gamma = 0 if plain_reason else self.gamma_control.choose(batch)
         self.latest_gamma = gamma
         bucket = self.gamma_control.bucket(batch)
         if gamma == 0:
+            self.plain_batches[plain_reason or "cost_model"] += 1
             with self.clock.phase("plain_decode"):
                 result = self._plain_decode(batch, on_publish)
             self.gamma_control.record_decode(bucket, self.clock)
@@ -178,22 +183,30 @@ class MagicDecWorker(BaseSpecWorker):
         with self.clock.phase("draft_round"):
             draft_round = self._draft_round(batch, committed, round_slots)
         acceptor = acceptor_for(batch, gamma, committed.device, self.rng, self.device)
+        # Each position's logits as SGLang's sampler rewrites them: penalties (for the output and
+        # the drafts before it), then the requests' logit bias.
         penalties = RoundPenalties.of(batch, self.device)
         draft_penalties = penalties and penalties.copy()
+        bias = batch.sampling_info.logit_bias  # [B, V] or None
         tokens = self._last_tokens(batch)
         for step in range(gamma):
             logits = self._draft_step(batch, committed, step, tokens, draft_round, round_slots)
             if draft_penalties is not None:
                 draft_penalties.apply(logits)
+            if bias is not None:
+                logits.add_(bias)
             proposed = acceptor.propose(logits, step)
             if draft_penalties is not None:
                 draft_penalties.advance(proposed)
             tokens = torch.cat([tokens, proposed[:, None]], dim=1)
         with self.clock.phase("verify"):
             verify = self._verify(batch, committed, tokens, round_slots)
-        if penalties is not None:  # in place: logprobs read these logits too
-            penalties.apply_chain(verify.logits_output.next_token_logits, tokens)
-        target, accept_lens = acceptor.accept(tokens, verify.logits_output.next_token_logits)
+        verify_logits = verify.logits_output.next_token_logits  # in place: logprobs read them too
+        if penalties is not None:
+            penalties.apply_chain(verify_logits, tokens)
+        if bias is not None:
+            verify_logits.view(*tokens.shape, -1).add_(bias[:, None])
+        target, accept_lens = acceptor.accept(tokens, verify_logits)
         with self.clock.phase("commit"):
             return self._commit(batch, verify, target, accept_lens, on_publish)
 
@@ -275,18 +288,21 @@ class MagicDecWorker(BaseSpecWorker):
 
     # -- γ per batch ---------------------------------------------------------------------------
 
-    def _can_speculate(self, batch: ScheduleBatch) -> bool:
-        """Greedy and sampled requests speculate, penalties included (`RoundPenalties`).
-        What rewrites the target's logits in ways a round does not follow (logit bias, custom
-        logit processors, grammars) takes a plain decode step, and so does sampling with
-        logprobs: SGLang reports those from its own sampler."""
+    @staticmethod
+    def _cannot_speculate(batch: ScheduleBatch) -> str | None:
+        """Why this batch takes a plain decode step whatever γ would be (`PLAIN_REASONS`), or
+        None. Greedy and sampled requests speculate, with penalties and logit bias. What rewrites
+        the target's logits in ways a round does not follow (grammars, custom logit
+        processors) does not, nor does sampling with logprobs: SGLang reports those from its
+        own sampler."""
         info = batch.sampling_info
-        return (
-            not batch.has_grammar
-            and info.logit_bias is None
-            and not info.has_custom_logit_processor
-            and (info.is_all_greedy or not batch.return_logprob)
-        )
+        if batch.has_grammar:
+            return "grammar"
+        if info.has_custom_logit_processor:
+            return "custom_logit_processor"
+        if batch.return_logprob and not info.is_all_greedy:
+            return "sampled_logprobs"
+        return None
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -295,11 +311,11 @@ class MagicDecWorker(BaseSpecWorker):
         (the prefill's first token, plain decode steps), as they do in speculative rounds: their
         output is then one function of the seed whatever γ each step had. SGLang's own sampler
         honours the seed only under --enable-deterministic-inference. Batches whose logits
-        something rewrites per token (`_can_speculate`) or that return logprobs keep SGLang's."""
+        something rewrites per token (`_cannot_speculate`) or that return logprobs keep SGLang's."""
         if batch.sampling_info.is_all_greedy or batch.return_logprob:
             return
         seeded = SeededRows.of(batch, self.device)
-        if seeded is None or not self._can_speculate(batch):
+        if seeded is None or self._cannot_speculate(batch):
             return
         # SGLang's sampler has left softmax(logits / temperature) in place of the logits.
         probs = result.logits_output.next_token_logits

@@ -55,19 +55,24 @@ def test_greedy_identical_to_autoregressive_in_one_ragged_batch(spec, plain, lon
     assert all(r["meta_info"]["spec_verify_ct"] > 0 for r in spec_results)
 
 
+# SmolLM2's " the" is token 260, "," token 28.
+LOGIT_BIAS = {"260": -100.0, "28": 2.0}
 PENALTIES = [
     {},
     {"repetition_penalty": 1.1},
     {"frequency_penalty": 0.3},
     {"presence_penalty": 0.5},
     {"repetition_penalty": 1.3, "frequency_penalty": 0.2, "presence_penalty": 0.2},
+    {"logit_bias": LOGIT_BIAS},
+    {"repetition_penalty": 1.3, "logit_bias": {"28": -3.0}},  # the bias after the penalty
 ]
 
 
 def test_penalties_speculate_and_commit_the_plain_servers_tokens(spec, plain, long_prompts):
-    """Greedy requests with penalties, in one batch beside one without: every output is the
-    plain server's token for token (each chain position penalised for the output and the drafts
-    before it), the penalties change the output, and the requests still speculate."""
+    """Greedy requests with penalties and logit bias, in one batch beside one without: every
+    output is the plain server's token for token (each chain position penalised for the output
+    and the drafts before it, then biased), the penalties and the bias change the output, and
+    the requests still speculate."""
     prompts = long_prompts[: len(PENALTIES)]
 
     def run(server) -> list[dict]:
@@ -80,11 +85,14 @@ def test_penalties_speculate_and_commit_the_plain_servers_tokens(spec, plain, lo
 
     spec_results, plain_results = run(spec), run(plain)
     unpenalised = greedy(plain, prompts[1], 48, ignore_eos=True)["output_ids"]
+    unbiased = greedy(plain, prompts[5], 48, ignore_eos=True)["output_ids"]
     for penalty, got, expected in zip(PENALTIES, spec_results, plain_results, strict=True):
         assert got["output_ids"] == expected["output_ids"], f"{penalty}"
         assert got["meta_info"]["spec_verify_ct"] > 0, f"{penalty}: no speculative round"
         assert got["meta_info"]["spec_accept_length"] > 1.0, f"{penalty}"
     assert plain_results[1]["output_ids"] != unpenalised, "repetition_penalty changed nothing"
+    assert plain_results[5]["output_ids"] != unbiased, "logit_bias changed nothing"
+    assert 260 not in plain_results[5]["output_ids"]
 
 
 def test_streaming_acceptance_matches_reference(streaming_pg19_run):

@@ -78,7 +78,7 @@ def test_frontend_program_runs_against_runtime_endpoint(server):
     assert "France" in state["again"], state.text()
 
 
-def test_a_port_taken_before_the_server_binds_it_is_retried(tmp_path, monkeypatch):
+def test_a_port_taken_before_the_server_binds_it_is_retried(tmp_path, monkeypatch, tiny_llama):
     """`start_server` picks a free port, but the server binds it only once loaded: where the port
     was taken meanwhile (as happened on CI while two servers started together; what took it was
     not logged), uvicorn fails to bind and the process hangs; the server is started again on
@@ -93,12 +93,14 @@ def test_a_port_taken_before_the_server_binds_it_is_retried(tmp_path, monkeypatc
         chosen = iter([taken])
         pick_free = server_process.free_port
         monkeypatch.setattr(server_process, "free_port", lambda: next(chosen, None) or pick_free())
-        args = ["--dtype", "float32", "--max-total-tokens", "2048"]
+        # The tiny model: the claim is the launcher's, and it loads twice.
+        args = ["--model-path", str(tiny_llama), "--dtype", "float32", "--max-total-tokens", "2048"]
         server = server_process.start_server(args, tmp_path)
     try:
         assert server_process.BIND_FAILED in (tmp_path / f"server-{taken}.log").read_text()
         assert server.url != f"http://127.0.0.1:{taken}"
-        payload = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 4}}
+        sampling = {"max_new_tokens": 4, "ignore_eos": True}
+        payload = {"text": "The capital of France is", "sampling_params": sampling}
         assert server.generate(payload)["meta_info"]["completion_tokens"] == 4
     finally:
         server.stop()

@@ -89,6 +89,28 @@ def test_prometheus_metrics_describe_magicdec(snap, long_prompts):
     assert info["summaries_computed"] > 0
 
 
+def test_batches_that_cannot_speculate_are_counted(snap, long_prompts):
+    """Sampling with logprobs takes plain decode steps (SGLang's sampler reports them): each is
+    counted under its reason in `/get_server_info` and in `/metrics`."""
+    before = magicdec_info(snap)["plain_batches"]["sampled_logprobs"]
+    sampling = {"max_new_tokens": 6, "temperature": 0.8, "ignore_eos": True}
+    payload = {"input_ids": long_prompts[2], "sampling_params": sampling, "return_logprob": True}
+    result = snap.generate(payload)
+    assert result["meta_info"]["completion_tokens"] == 6
+    plain = magicdec_info(snap)["plain_batches"]
+    assert plain["sampled_logprobs"] - before == 5  # the 6 tokens but the prefill's first
+    text = requests.get(f"{snap.url}/metrics", timeout=30).text
+    from prometheus_client.parser import text_string_to_metric_families
+
+    by_reason = {
+        sample.labels["reason"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "sglang:magicdec_plain_batches_total"
+    }
+    assert by_reason == {reason: float(count) for reason, count in plain.items()}
+
+
 def test_snapkv_accepts_more_than_streaming(snap, streaming_pg19_run, tokenizer):
     """PG-19 4K (6 documents, ~3.7K tokens), budget 512, 64 tokens: α of both drafts."""
     snap_run = run_concurrently(snap, pg19_acceptance_prompts(tokenizer), 64, ignore_eos=True)
