@@ -19,7 +19,7 @@ REPORT_DECODE_STATS = (
 
 # Why a decode batch ran without drafts: the cost model chose γ = 0 (γ = auto), or the batch has
 # something a round does not follow (`MagicDecWorker._cannot_speculate`).
-PLAIN_REASONS = ("cost_model", "grammar", "custom_logit_processor", "sampled_logprobs")
+PLAIN_REASONS = ("cost_model", "grammar", "custom_logit_processor")
 
 # Worker counter (as in `/get_server_info`'s `magicdec` block) -> (metric, documentation).
 COUNTERS = {
@@ -65,7 +65,7 @@ class MagicDecMetrics:
         plain = Counter(
             name="sglang:magicdec_plain_batches_total",
             documentation="Decode batches MagicDec ran as plain steps (no drafts), by reason "
-            "(cost_model: γ = auto chose 0; grammar, custom_logit_processor, sampled_logprobs).",
+            "(cost_model: γ = auto chose 0; grammar, custom_logit_processor).",
             labelnames=[*labels.keys(), "reason"],
         )
         self.plain_batches = {

@@ -217,7 +217,8 @@ class MagicDecWorker(BaseSpecWorker):
             check_ranks_agree(self.tp_group, target, accept_lens)
         self.stats.record(accept_lens, gamma * len(batch.reqs))
         if batch.return_logprob:
-            # Verify row b·(γ+1)+j is the target's distribution of target[b, j].
+            # Verify row b·(γ+1)+j is the target's distribution of target[b, j] (penalised and
+            # biased; SGLang's EAGLE function divides it by the temperature where a row samples).
             compute_spec_logprobs(
                 batch, verify.logits_output, target.reshape(-1), chain_stride=gamma + 1
             )
@@ -291,17 +292,13 @@ class MagicDecWorker(BaseSpecWorker):
     @staticmethod
     def _cannot_speculate(batch: ScheduleBatch) -> str | None:
         """Why this batch takes a plain decode step whatever γ would be (`PLAIN_REASONS`), or
-        None. Greedy and sampled requests speculate, with penalties and logit bias. What rewrites
-        the target's logits in ways a round does not follow (grammars, custom logit
-        processors) does not, nor does sampling with logprobs: SGLang reports those from its
-        own sampler."""
-        info = batch.sampling_info
+        None. Greedy and sampled requests speculate, with penalties, logit bias and logprobs
+        (from the verify, `_commit`). What rewrites the target's logits in ways a round does
+        not follow does not: grammars and custom logit processors."""
         if batch.has_grammar:
             return "grammar"
-        if info.has_custom_logit_processor:
+        if batch.sampling_info.has_custom_logit_processor:
             return "custom_logit_processor"
-        if batch.return_logprob and not info.is_all_greedy:
-            return "sampled_logprobs"
         return None
 
     # -- helpers ------------------------------------------------------------------------------

@@ -104,9 +104,10 @@ def streaming(session_server_factory) -> ServerProcess:
 @pytest.fixture(scope="session")
 def snap(session_server_factory) -> ServerProcess:
     """MAGICDEC with the SnapKV draft, checking every draft selection (debug), with Prometheus
-    metrics refreshed after every decode batch: the SnapKV modules and the fuzz share it."""
+    metrics refreshed after every decode batch and custom logit processors allowed: the SnapKV
+    modules and the fuzz share it."""
     metrics = ("--enable-metrics", "--decode-log-interval", "1")
-    args = (*POOL_ARGS, *SNAPKV, "--magicdec-debug", *metrics)
+    args = (*POOL_ARGS, *SNAPKV, "--magicdec-debug", *metrics, "--enable-custom-logit-processor")
     SESSION_SERVERS["snap"] = session_server_factory(*args)
     return SESSION_SERVERS["snap"]
 

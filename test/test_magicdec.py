@@ -201,19 +201,17 @@ def test_server_info_reports_acceptance(spec, long_prompts):
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_logprobs_match_autoregressive(spec, plain, long_prompts, temperature):
-    """Greedy requests speculate and report the target's logprobs of the accepted tokens;
-    sampling requests with logprobs take plain steps. Either way each reported logprob is the
-    target's: the plain server's logprob of the same token after the same context."""
+    """Greedy and sampled requests with logprobs speculate and report, from the verify, the
+    target's logprobs of the committed tokens: each the plain server's logprob of the same token
+    after the same context (under the temperature where the request samples)."""
     prompt = long_prompts[9][:600]
     params = {"max_new_tokens": 12, "temperature": temperature, "ignore_eos": True}
     payload = {"input_ids": prompt, "sampling_params": params, "return_logprob": True}
     got = spec.generate(payload)
     logprobs = got["meta_info"]["output_token_logprobs"]
     assert len(logprobs) == 12
-    # Greedy speculates; sampling with logprobs keeps SGLang's sampler: plain steps, each
-    # reported as a round that accepted no draft.
     meta = got["meta_info"]
-    assert (meta["spec_num_correct_drafts"] > 0) == (temperature == 0.0), meta
+    assert meta["spec_num_correct_drafts"] > 0, meta
     assert [token for _, token, _ in logprobs] == got["output_ids"]
     if temperature == 0.0:
         assert got["output_ids"] == plain.generate(payload)["output_ids"]

@@ -90,18 +90,24 @@ def test_prometheus_metrics_describe_magicdec(snap, long_prompts):
 
 
 def test_batches_that_cannot_speculate_are_counted(snap, long_prompts):
-    """Sampling with logprobs takes plain decode steps (SGLang's sampler reports them): each is
-    counted under its reason in `/get_server_info` and in `/metrics`."""
-    before = magicdec_info(snap)["plain_batches"]["sampled_logprobs"]
-    sampling = {"max_new_tokens": 6, "temperature": 0.8, "ignore_eos": True}
-    payload = {"input_ids": long_prompts[2], "sampling_params": sampling, "return_logprob": True}
-    result = snap.generate(payload)
-    assert result["meta_info"]["completion_tokens"] == 6
-    plain = magicdec_info(snap)["plain_batches"]
-    assert plain["sampled_logprobs"] - before == 5  # the 6 tokens but the prefill's first
-    text = requests.get(f"{snap.url}/metrics", timeout=30).text
+    """A custom logit processor (SGLang's, disallowing " the") makes a batch take plain decode
+    steps: each is counted under its reason in `/get_server_info` and in `/metrics`."""
     from prometheus_client.parser import text_string_to_metric_families
+    from sglang.srt.sampling.custom_logit_processor import DisallowedTokensLogitsProcessor
 
+    before = magicdec_info(snap)["plain_batches"]["custom_logit_processor"]
+    sampling = {"max_new_tokens": 6, "temperature": 0, "custom_params": {"token_ids": [260]}}
+    result = snap.generate(
+        {
+            "input_ids": long_prompts[2],
+            "sampling_params": {**sampling, "ignore_eos": True},
+            "custom_logit_processor": DisallowedTokensLogitsProcessor.to_str(),
+        }
+    )
+    assert result["meta_info"]["completion_tokens"] == 6 and 260 not in result["output_ids"]
+    plain = magicdec_info(snap)["plain_batches"]
+    assert plain["custom_logit_processor"] - before == 5  # the 6 tokens but the prefill's first
+    text = requests.get(f"{snap.url}/metrics", timeout=30).text
     by_reason = {
         sample.labels["reason"]: sample.value
         for family in text_string_to_metric_families(text)
