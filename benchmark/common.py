@@ -35,9 +35,16 @@ def load_tokenizer():
     return AutoTokenizer.from_pretrained(embedded_model_path(SMOLLM2))
 
 
-def run_batch(server: ServerProcess, prompts: list[list[int]], new_tokens: int) -> list[dict]:
-    """Greedy, all prompts at once (one ragged batch on the server)."""
-    params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
+def run_batch(
+    server: ServerProcess,
+    prompts: list[list[int]],
+    new_tokens: int,
+    sampling: dict | None = None,
+) -> list[dict]:
+    """All prompts at once (one ragged batch on the server): greedy, or with `sampling`'s
+    sampling parameters."""
+    params = {"temperature": 0, **(sampling or {})}
+    params.update(max_new_tokens=new_tokens, ignore_eos=True)
     with ThreadPoolExecutor(len(prompts)) as pool:
         return list(
             pool.map(

@@ -67,9 +67,12 @@ def load_prompts(data: Path, context: int, count: int, tokenizer) -> list[list[i
     return prompts[:count]
 
 
-def decode_tokens_per_s(server: ServerProcess, prompts, new_tokens: int) -> tuple[float, list]:
+def decode_tokens_per_s(
+    server: ServerProcess, prompts, new_tokens: int, sampling: dict | None = None
+) -> tuple[float, list]:
     start = time.perf_counter()
-    results = run_batch(server, prompts, new_tokens + 1)  # the first token comes from prefill
+    # The first token comes from prefill.
+    results = run_batch(server, prompts, new_tokens + 1, sampling)
     return len(prompts) * new_tokens / (time.perf_counter() - start), results
 
 
@@ -81,7 +84,14 @@ def full_batch_decision(url: str, batch: int, context: int, new_tokens: int) -> 
 
 
 def measure_against_ar(
-    servers: dict[str, ServerProcess], prompts, context, batches, new_tokens, repeats, progress
+    servers: dict[str, ServerProcess],
+    prompts,
+    context,
+    batches,
+    new_tokens,
+    repeats,
+    progress,
+    sampling: dict | None = None,
 ) -> list[dict]:
     """`servers`: {"ar": …, mode: …}, both holding `prompts` prefilled."""
     mode = next(name for name in servers if name != "ar")
@@ -92,7 +102,7 @@ def measure_against_ar(
             # Who goes first alternates, so that neither always follows the other's work.
             order = ["ar", mode] if turn % 2 == 0 else [mode, "ar"]
             measured = {
-                name: decode_tokens_per_s(servers[name], prompts[:batch], new_tokens)
+                name: decode_tokens_per_s(servers[name], prompts[:batch], new_tokens, sampling)
                 for name in order
             }
             (ar, _), (spec, results) = measured["ar"], measured[mode]
@@ -233,6 +243,12 @@ def main() -> None:
     parser.add_argument(
         "--fixed-gammas", type=int, nargs="+", help="fixed γ values to measure (default: --gamma)"
     )
+    parser.add_argument(
+        "--sampling",
+        type=json.loads,
+        help="sampling parameters as JSON (default greedy), e.g. Qwen's published defaults: "
+        '\'{"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}\'',
+    )
     parser.add_argument("--base-url", help="measure this running server's throughput only")
     parser.add_argument("--skip-acceptance", action="store_true")
     parser.add_argument("--skip-shared-doc", action="store_true")
@@ -303,6 +319,7 @@ def main() -> None:
                     args.new_tokens,
                     args.repeats,
                     progress,
+                    args.sampling,
                 )
                 servers.pop(name).stop()
         finally:
@@ -315,7 +332,9 @@ def main() -> None:
     sections = [
         f"# Benchmark suite (CPU, {args.dtype}, SmolLM2-135M"
         + (f" with positions raised to {args.context_length}" if args.context_length else "")
-        + f", γ={args.gamma}, {args.new_tokens} new tokens, greedy, default draft, median of "
+        + f", γ={args.gamma}, {args.new_tokens} new tokens, "
+        + (f"sampling {json.dumps(args.sampling)}" if args.sampling else "greedy")
+        + ", default draft, median of "
         f"{args.repeats} turns)\n",
         "## Throughput: AR vs MagicDec (fixed γ and γ = auto)\n",
         throughput_table(points),

@@ -21,6 +21,7 @@ import torch
 from sglang.srt.managers.schedule_batch import ScheduleBatch
 
 from sglang_magicdec.sampling import (
+    Filters,
     chain_rejection_sample,
     filtered_probs,
     greedy_accept,
@@ -59,18 +60,20 @@ def acceptor_for(
     info = batch.sampling_info
     return SampledAcceptor(
         temperatures=info.temperatures.view(-1),
-        filters=batch_filters(info),
+        filters=batch_filters(batch),
         uniforms=to_device(uniforms, device),
         committed=committed,
         seeded=SeededRows.of(batch, device),
     )
 
 
-def batch_filters(info) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """The rows' (top-k, top-p, min-p) from a batch's `SamplingBatchInfo`, or None when no row
-    filters (SGLang's host flags say so; no device read)."""
+def batch_filters(batch: ScheduleBatch) -> Filters | None:
+    """The rows' filters from a batch's `SamplingBatchInfo`, or None when no row filters
+    (SGLang's host flags say so; no device read)."""
+    info = batch.sampling_info
     if info.need_top_k_sampling or info.need_top_p_sampling or info.need_min_p_sampling:
-        return info.top_ks, info.top_ps, info.min_ps
+        candidates = max(req.sampling_params.top_k for req in batch.reqs)
+        return Filters(info.top_ks, info.top_ps, info.min_ps, candidates)
     return None
 
 
@@ -88,7 +91,7 @@ class GreedyAcceptor:
 @dataclass
 class SampledAcceptor:
     temperatures: torch.Tensor  # [B]
-    filters: tuple[torch.Tensor, ...] | None  # per row: top-k, top-p, min-p (`batch_filters`)
+    filters: Filters | None  # `batch_filters`
     uniforms: torch.Tensor  # [B, 2γ+1]
     committed: torch.Tensor  # [B] S: draft step j samples position S + j
     seeded: SeededRows | None
@@ -107,7 +110,7 @@ class SampledAcceptor:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         batch, width = tokens.shape
         gamma = width - 1
-        filters = self.filters and tuple(f.repeat_interleave(width) for f in self.filters)
+        filters = self.filters and self.filters.repeat_interleave(width)
         temperatures = self.temperatures.repeat_interleave(width)
         target_probs = sampling_probs(logits, temperatures, filters).view(batch, width, -1)
         target, accept_lens = chain_rejection_sample(
@@ -169,7 +172,11 @@ class SeededRows:
         return values.index_copy(0, self.index, rows_values.to(values.dtype))
 
     def take_from_sampler(
-        self, sampled: torch.Tensor, probs: torch.Tensor, info, positions: torch.Tensor
+        self,
+        sampled: torch.Tensor,
+        probs: torch.Tensor,
+        batch: ScheduleBatch,
+        positions: torch.Tensor,
     ) -> None:
         """In a step SGLang's sampler ran (the prefill's first token, a plain decode step):
         these rows' tokens in `sampled` [B] replaced in place by their seeded draws from the
@@ -177,9 +184,9 @@ class SeededRows:
         the rows' top-k, top-p and min-p as a speculative round filters them."""
         rows = self.index
         probs = probs.index_select(0, rows)
-        filters = batch_filters(info)
+        filters = batch_filters(batch)
         if filters is not None:
-            probs = filtered_probs(probs, *(f.index_select(0, rows) for f in filters))
+            probs = filtered_probs(probs, filters.index_select(rows))
         tokens = seeded_sample(probs, self.seeds, positions.index_select(0, rows))
         sampled.index_copy_(0, rows, tokens.to(sampled.dtype))
 

@@ -17,36 +17,73 @@ sampling is a CUDA kernel (sgl_kernel); this is the torch version, used on every
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
+@dataclass(frozen=True)
+class Filters:
+    """The rows' top-k, top-p and min-p ([N] each, on the device) and `candidates`, the largest
+    top-k of any row, a host int (no device read): no row keeps more tokens than that, so only
+    that many need sorting (SGLang's "no top-k" is 1 << 30: then the whole vocabulary)."""
+
+    top_ks: torch.Tensor
+    top_ps: torch.Tensor
+    min_ps: torch.Tensor
+    candidates: int
+
+    def repeat_interleave(self, width: int) -> Filters:
+        """Each row's filters `width` times (a verify's rows)."""
+        return Filters(
+            self.top_ks.repeat_interleave(width),
+            self.top_ps.repeat_interleave(width),
+            self.min_ps.repeat_interleave(width),
+            self.candidates,
+        )
+
+    def index_select(self, rows: torch.Tensor) -> Filters:
+        return Filters(
+            self.top_ks.index_select(0, rows),
+            self.top_ps.index_select(0, rows),
+            self.min_ps.index_select(0, rows),
+            self.candidates,
+        )
+
+
 def sampling_probs(
-    logits: torch.Tensor,
-    temperatures: torch.Tensor,
-    filters: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    logits: torch.Tensor, temperatures: torch.Tensor, filters: Filters | None
 ) -> torch.Tensor:
     """[N, V] logits → [N, V] normalised float32 probabilities after the sampling transforms:
-    temperature ([N] or [N, 1]), then `filters`, the rows' (top-k, top-p, min-p), or None when
-    no row of the batch filters (the sort over the vocabulary is then skipped)."""
+    temperature ([N] or [N, 1]), then `filters`, or None when no row of the batch filters (the
+    sort over the vocabulary is then skipped)."""
     probs = torch.softmax(logits.float() / temperatures.view(-1, 1).float(), dim=-1)
-    return probs if filters is None else filtered_probs(probs, *filters)
+    return probs if filters is None else filtered_probs(probs, filters)
 
 
-def filtered_probs(
-    probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor
-) -> torch.Tensor:
+def filtered_probs(probs: torch.Tensor, filters: Filters) -> torch.Tensor:
     """Top-k, then top-p and min-p, of [N, V] probabilities (after temperature), renormalised.
-    A row that drops nothing is returned as it came, bit for bit, so a row's distribution does
-    not depend on whether other rows of its batch filter."""
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    rank = torch.arange(probs.shape[-1], device=probs.device)
+    Only the `filters.candidates` most probable tokens of each row are sorted (a full sort of a
+    large vocabulary costs milliseconds a row on a CPU); every other token is dropped by top-k
+    anyway. A row that drops nothing is returned as it came, bit for bit, so a row's
+    distribution does not depend on whether other rows of its batch filter."""
+    vocab = probs.shape[-1]
+    candidates = min(filters.candidates, vocab)
+    if candidates < vocab:
+        sorted_probs, order = probs.topk(candidates, dim=-1)  # sorted, most probable first
+    else:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(candidates, device=probs.device)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    dropped = (rank[None, :] >= top_ks.view(-1, 1)) | (mass_before > top_ps.view(-1, 1))
-    dropped |= sorted_probs < sorted_probs[:, :1] * min_ps.view(-1, 1)
+    dropped = (rank[None, :] >= filters.top_ks.view(-1, 1)) | (
+        mass_before > filters.top_ps.view(-1, 1)
+    )
+    dropped |= sorted_probs < sorted_probs[:, :1] * filters.min_ps.view(-1, 1)
     sorted_probs = sorted_probs.masked_fill(dropped, 0.0)
     filtered = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     renormalised = filtered / filtered.sum(dim=-1, keepdim=True)
-    return torch.where(dropped.any(dim=-1, keepdim=True), renormalised, probs)
+    drops_any = dropped.any(dim=-1, keepdim=True) | (candidates < vocab)
+    return torch.where(drops_any, renormalised, probs)
 
 
 _MASK32 = 0xFFFFFFFF

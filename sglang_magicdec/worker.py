@@ -319,7 +319,7 @@ class MagicDecWorker(BaseSpecWorker):
         if self.config.debug:
             sums = probs.sum(dim=-1)
             assert torch.allclose(sums, torch.ones_like(sums), atol=1e-3), "logits, not probs"
-        seeded.take_from_sampler(result.next_token_ids, probs, batch.sampling_info, positions)
+        seeded.take_from_sampler(result.next_token_ids, probs, batch, positions)
 
     def _round_slots(self, batch: ScheduleBatch, committed: Committed, width: int) -> torch.Tensor:
         req_to_token = self.req_to_token_pool.req_to_token

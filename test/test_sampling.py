@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from sglang_magicdec.sampling import (
+    Filters,
     chain_rejection_sample,
     counter_uniforms,
+    filtered_probs,
     greedy_accept,
     sample_from,
     sampling_probs,
@@ -89,10 +91,11 @@ def test_sampling_probs_transforms():
     probs = sampling_probs(
         logits,
         temperatures=torch.tensor([1.0, 1.0, 1.0, 1.0]),
-        filters=(
+        filters=Filters(
             torch.tensor([4, 2, 4, 1]),
             torch.tensor([1.0, 1.0, 0.7, 1.0]),
             torch.tensor([0.0, 0.0, 0.0, 0.0]),
+            candidates=4,
         ),
     )
     assert torch.allclose(probs[0], torch.tensor([0.5, 0.3, 0.15, 0.05]))
@@ -100,7 +103,7 @@ def test_sampling_probs_transforms():
     # top-p 0.7: tokens whose preceding mass is <= 0.7 stay (SGLang's rule): 0.5, 0.3.
     assert torch.allclose(probs[2], torch.tensor([0.625, 0.375, 0, 0]))
     assert torch.allclose(probs[3], torch.tensor([1.0, 0, 0, 0]))
-    only_min_p = (torch.tensor([4]), torch.tensor([1.0]), torch.tensor([0.5]))
+    only_min_p = Filters(torch.tensor([4]), torch.tensor([1.0]), torch.tensor([0.5]), 4)
     min_p = sampling_probs(logits[:1], torch.tensor([1.0]), only_min_p)
     assert torch.allclose(min_p[0], torch.tensor([0.625, 0.375, 0, 0]))
     hot = sampling_probs(logits[:1], torch.tensor([0.5]), filters=None)
@@ -114,11 +117,29 @@ def test_a_row_that_filters_nothing_keeps_its_probabilities_bit_for_bit():
     logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(0))
     temperatures = torch.tensor([0.7, 0.7, 0.7])
     alone = sampling_probs(logits, temperatures, filters=None)
-    filters = (torch.tensor([1 << 30, 50, 1 << 30]), torch.tensor([1.0, 1.0, 0.9]),
-               torch.tensor([0.0, 0.0, 0.0]))  # fmt: skip
+    filters = Filters(torch.tensor([1 << 30, 50, 1 << 30]), torch.tensor([1.0, 1.0, 0.9]),
+                      torch.tensor([0.0, 0.0, 0.0]), candidates=1 << 30)  # fmt: skip
     beside = sampling_probs(logits, temperatures, filters)
     assert torch.equal(beside[0], alone[0])
     assert not torch.equal(beside[1], alone[1]) and not torch.equal(beside[2], alone[2])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_sorting_only_the_top_k_candidates_changes_no_probability(seed):
+    """Rows that all have a top-k (ragged, with top-p and min-p on some): sorting only the
+    largest top-k's most probable tokens gives, bit for bit, what sorting the whole vocabulary
+    gives. (Where probabilities tie at a top-k or top-p boundary, which of the tied tokens is
+    kept is the order the sort returns them in, with either sort.)"""
+    generator = torch.Generator().manual_seed(seed)
+    rows, vocab = 9, 2000
+    probs = torch.softmax(3 * torch.randn(rows, vocab, generator=generator), dim=-1)
+    top_ks = torch.randint(1, 60, (rows,), generator=generator)
+    some_top_p = 0.5 + 0.5 * torch.rand(rows, generator=generator)
+    top_ps = torch.where(torch.arange(rows) % 3 == 0, 1.0, some_top_p)
+    min_ps = torch.where(torch.arange(rows) % 4 == 1, 0.05, 0.0)
+    cut = Filters(top_ks, top_ps, min_ps, candidates=int(top_ks.max()))
+    whole = Filters(top_ks, top_ps, min_ps, candidates=1 << 30)
+    assert torch.equal(filtered_probs(probs, cut), filtered_probs(probs, whole))
 
 
 def test_sample_from_inverse_cdf():
