@@ -61,6 +61,7 @@ class StepCosts:
     rounds: dict[int, float] = field(default_factory=dict)
     rounds_since_exploring: int = 0  # the model's decisions since the last exploration
     explorations: int = 0
+    explore_interval: int = 0  # decisions between explorations now (0: not yet set)
     recent: dict[str | int, list[float]] = field(default_factory=dict)
     measurements: dict[str | int, int] = field(default_factory=dict)  # per name, so far
 
@@ -141,7 +142,9 @@ class CostModel:
     calibrated neighbour until its own exploration has measured what it lacks. One round every
     `explore_every` goes to another γ (each in turn, plain decoding first) and keeps every cost
     (and the requests' α) current, so neither a cold first measurement nor a change of load
-    fixes γ for good.
+    fixes γ for good. Each exploration that leaves the bucket's γ where it was doubles the
+    bucket's interval, up to `explore_every_max`; a change of its γ resets it: a settled bucket
+    (γ = 0 where speculation does not pay, say) spends ever fewer rounds on a γ it loses with.
 
     α is estimated per request from its own verify rounds (accepted drafts / tested drafts),
     starting from a prior worth `prior_weight` drafts: the server's recent acceptance over all
@@ -158,6 +161,7 @@ class CostModel:
         prior_alpha: float = 0.7,
         prior_weight: float = 4.0,
         explore_every: int = 16,
+        explore_every_max: int = 256,
         calibration_rounds: int = 2,
         hysteresis: float = 0.03,
         recent_decay: float = 0.98,
@@ -166,6 +170,7 @@ class CostModel:
         self.prior_alpha = prior_alpha
         self.prior_weight = prior_weight
         self.explore_every = explore_every
+        self.explore_every_max = explore_every_max
         self.calibration_rounds = calibration_rounds
         self.hysteresis = hysteresis
         self.recent_decay = recent_decay
@@ -241,12 +246,15 @@ class CostModel:
             decision = Decision(missing[0], 1.0, f"calibrating {step}")
         else:
             alphas = [self.alpha(rid) for rid in rids]
-            decision = self.best(self.costs[donor], alphas, self.settled.get(bucket))
+            settled = self.settled.get(bucket)
+            decision = self.best(self.costs[donor], alphas, settled)
+            if decision.gamma != settled or not costs.explore_interval:
+                costs.explore_interval = self.explore_every  # a new γ: look around again soon
             self.settled[bucket] = decision.gamma
             if donor != bucket:
                 decision = replace(decision, reason=f"as {bucket_key(donor)}")
             costs.rounds_since_exploring += 1
-            if costs.rounds_since_exploring >= self.explore_every:
+            if costs.rounds_since_exploring >= costs.explore_interval:
                 # Every other γ in turn (what this bucket still lacks first, then plain decoding
                 # first): a cost measured once (cold, or under another load) must not decide
                 # for good.
@@ -254,6 +262,7 @@ class CostModel:
                 explored = missing[0] if missing else others[costs.explorations % len(others)]
                 costs.explorations += 1
                 costs.rounds_since_exploring = 0
+                costs.explore_interval = min(2 * costs.explore_interval, self.explore_every_max)
                 decision = Decision(explored, decision.predicted_speedup, "exploring")
         self.last = self.decisions[bucket] = decision
         return decision

@@ -141,7 +141,7 @@ def run_rounds(
 def test_a_new_bucket_decides_as_its_calibrated_neighbour_until_it_has_its_own_costs():
     """The last requests of a wave pass through smaller buckets for a few rounds each: they
     must not spend them on plain-step calibration while a neighbour's costs say γ = 3."""
-    model = CostModel(gamma_max=3, explore_every=4, calibration_rounds=1)
+    model = CostModel(gamma_max=3, explore_every=4, explore_every_max=4, calibration_rounds=1)
     full = CostModel.bucket(8, 8000)
     model.record_decode(full, 0.30)
     for gamma in (1, 3):
@@ -160,10 +160,33 @@ def test_a_new_bucket_decides_as_its_calibrated_neighbour_until_it_has_its_own_c
     assert model.choose(rids, 8000).reason in ("model", "exploring")
 
 
+def test_a_settled_bucket_explores_ever_less_often_until_its_gamma_changes():
+    """Where plain steps win (γ = 0 settled), each exploration that confirms it doubles the
+    interval to the next (16, 32, 64 decisions...): exploring costs ever less of a long run.
+    Once rounds become cheap the model's γ changes, and the interval is back to 16."""
+    model = CostModel(gamma_max=3, explore_every=16, calibration_rounds=1)
+    rids = ["a", "b"]
+    slow = {"plain_seconds": 0.1, "round_seconds": 0.5, "draft_seconds": 0.1}
+    explored_at = []
+    for index in range(3 + 16 + 32 + 64 + 10):  # calibration (plain, γ=3, γ=1), then decisions
+        if run_rounds(model, rids, 1000, 1, **slow):
+            explored_at.append(index)
+    assert model.settled[CostModel.bucket(2, 1000)] == 0
+    gaps = [b - a for a, b in zip(explored_at[:-1], explored_at[1:], strict=True)]
+    assert gaps == [32, 64], explored_at
+    bucket = CostModel.bucket(2, 1000)
+    for gamma in (1, 3):  # a bucket's cost is the fastest of its recent measurements
+        model.record_round(bucket, gamma, draft_seconds=0.01, round_seconds=0.11)
+    for _ in range(8):
+        model.record_acceptance(rids, [4, 4], gamma=3)
+    assert model.choose(rids, 1000).gamma > 0
+    assert model.costs[bucket].explore_interval == 16
+
+
 def test_exploration_visits_every_other_gamma_in_turn():
     """Speculation winning on a bad plain-step measurement (or one γ on a cold round) must not
     go unchecked: every `explore_every` rounds one other γ is measured, plain decoding first."""
-    model = CostModel(gamma_max=3, explore_every=3, calibration_rounds=1)
+    model = CostModel(gamma_max=3, explore_every=3, explore_every_max=3, calibration_rounds=1)
     rids = ["a"]
     bucket = CostModel.bucket(1, 1000)
     model.record_decode(bucket, 0.5)  # an outlier
