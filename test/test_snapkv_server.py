@@ -4,9 +4,11 @@ pressure (eviction, retraction, aborts) with every selection checked in debug mo
 
 from __future__ import annotations
 
+import json
 import random
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -127,17 +129,71 @@ def test_snapkv_accepts_more_than_streaming(snap, streaming_pg19_run, tokenizer)
     )
 
 
-def test_chunked_prefill_selects_the_same_positions(snap, server_factory, tokenizer):
+@pytest.fixture(scope="module")
+def chunked(server_factory):
+    """Prefill in chunks of 256 tokens, one decode batch run between two chunks (SGLang runs
+    every chunk first by default), every draft selection checked."""
+    interleaved = ("--chunked-prefill-size", "256", "--prefill-decode-interval", "1")
+    return server_factory(*POOL_ARGS, *SNAPKV, *interleaved, "--magicdec-debug")
+
+
+def test_chunked_prefill_selects_the_same_positions(snap, chunked, tokenizer):
     """Chunks of 256 tokens, the last one shorter than the observation window: the window's
     queries straddle two chunks. The selection must equal the one-shot prefill's."""
-    chunked = server_factory(*POOL_ARGS, *SNAPKV, "--chunked-prefill-size", "256")
     # A document no other test sends to `snap`, so nothing of it is cached there.
     prompt = tokenizer(pg19_texts("4K", count=20)[15])["input_ids"][: 256 * 6 + 10]
     one_shot = greedy(snap, prompt, 4)
     in_chunks = greedy(chunked, prompt, 4)
     assert summary_of(one_shot)["status"] == summary_of(in_chunks)["status"] == "computed"
     assert summary_of(in_chunks)["digest"] == summary_of(one_shot)["digest"]
-    chunked.stop(wait=False)
+
+
+def stream_arrivals(server, prompt: list[int], max_new_tokens: int, arrivals: list) -> None:
+    """Stream a greedy request, appending (arrival time, output ids by then) per chunk."""
+    sampling = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}
+    payload = {"input_ids": prompt, "sampling_params": sampling, "stream": True}
+    with requests.post(f"{server.url}/generate", json=payload, stream=True, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith(b"data: {"):
+                arrivals.append((time.monotonic(), json.loads(line[6:])["output_ids"]))
+
+
+def test_requests_keep_speculating_between_a_long_prompts_chunks(chunked, plain, tokenizer):
+    """A 2,100-token prompt arrives while a request decodes: between its 9 prefill chunks the
+    decoding request runs MagicDec rounds (not plain steps, not a stall), its output is the plain
+    server's, and the new prompt's SnapKV summary is computed once, when its last chunk ends."""
+    texts = pg19_texts("4K", count=20)
+    decoding = tokenizer(texts[16])["input_ids"][:1500]
+    arriving = tokenizer(texts[17])["input_ids"][: 256 * 8 + 52]
+    arrivals: list[tuple[float, list[int]]] = []
+    decoder = threading.Thread(target=stream_arrivals, args=(chunked, decoding, 96, arrivals))
+    decoder.start()
+    while not arrivals and decoder.is_alive():  # until the decoding request's prefill ends
+        time.sleep(0.01)
+    assert arrivals, "the decoding request failed"
+    before = magicdec_info(chunked)
+    sent = time.monotonic()
+    result = greedy(chunked, arriving, 1)
+    first_token = time.monotonic()
+    after = magicdec_info(chunked)
+    decoder.join()
+    chunks = -(-len(arriving) // 256)
+    in_window = [at for at, _ in arrivals if sent < at < first_token]
+    rounds = after["verify_rounds"] - before["verify_rounds"]
+    accepted = (
+        after["avg_accept_length"] * after["verify_rounds"]
+        - before["avg_accept_length"] * before["verify_rounds"]
+    )
+    print(f"{chunks} chunks: {rounds} rounds, {accepted:.0f} tokens committed meanwhile")
+    # One decode batch after each chunk but the last (then the prompt's own first token).
+    assert rounds >= chunks - 1 and len(in_window) >= chunks - 1
+    assert accepted > rounds, "the rounds between the chunks accepted no draft"
+    assert after["summaries_computed"] - before["summaries_computed"] == 1
+    assert summary_of(result)["status"] == "computed"
+    expected = greedy(plain, decoding, 96, ignore_eos=True)["output_ids"]
+    assert_same_or_tie(plain, decoding, arrivals[-1][1], expected, "decoding beside the chunks")
+    chunked.stop(wait=False)  # its pool's memory, for the servers of this module's later tests
 
 
 def test_shared_document_computes_one_summary(snap, plain, tokenizer):
