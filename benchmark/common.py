@@ -53,9 +53,9 @@ def run_batch(
         )
 
 
-def magicdec_info(url: str) -> dict:
-    """The `magicdec` section of a server's `/get_server_info` ({} without MAGICDEC)."""
-    state = requests.get(f"{url}/get_server_info", timeout=30).json()
+def magicdec_info(url: str, timeout: float = 30) -> dict:
+    """The `magicdec` section of a server's `/server_info` ({} without MAGICDEC)."""
+    state = requests.get(f"{url}/server_info", timeout=timeout).json()
     return state.get("internal_states", [{}])[0].get("magicdec") or {}
 
 

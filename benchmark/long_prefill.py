@@ -10,7 +10,7 @@ together, run a steady window, then the long prompt is sent; the prefill window 
 send to its first token. For each decoder: tokens and the longest silence in that window, and
 its TPOT (window / tokens) beside its steady TPOT before the long prompt. MagicDec's rows also
 report the summaries computed during the window (the long prompt's SnapKV summary: 1) and the
-decoders' accept length in the window (`/get_server_info`).
+decoders' accept length in the window (`/server_info`).
 """
 
 from __future__ import annotations

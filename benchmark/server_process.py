@@ -45,7 +45,7 @@ class ServerProcess:
         return response.json()
 
     def server_info(self) -> dict:
-        return requests.get(f"{self.url}/get_server_info", timeout=30).json()
+        return requests.get(f"{self.url}/server_info", timeout=30).json()
 
     def stop(self, wait: bool = True) -> None:
         """SIGTERM: SGLang drains and exits, which takes it ~5 s (its shutdown watchdog polls

@@ -29,7 +29,7 @@ import statistics
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -105,16 +105,20 @@ def make_job(index: int, rng: random.Random, shared: list, unshared: list, args)
     }
 
 
+def abort(server: ServerProcess, rid: str) -> None:
+    try:
+        requests.post(f"{server.url}/abort_request", json={"rid": rid}, timeout=600)
+    except requests.ConnectionError:
+        pass  # the soak ended and its server stopped before this request's moment came
+
+
 def send(server: ServerProcess, job: dict, outcomes: Outcomes, lock: threading.Lock) -> None:
     if job["abort_after_s"] is not None:
-        threading.Timer(
-            job["abort_after_s"],
-            lambda: requests.post(
-                f"{server.url}/abort_request", json={"rid": job["rid"]}, timeout=30
-            ),
-        ).start()
+        timer = threading.Timer(job["abort_after_s"], abort, args=(server, job["rid"]))
+        timer.daemon = True
+        timer.start()
     if job["flush"]:
-        flushed = requests.post(f"{server.url}/flush_cache", timeout=30).status_code == 200
+        flushed = requests.post(f"{server.url}/flush_cache", timeout=600).status_code == 200
         with lock:
             outcomes.flushes_accepted += flushed
     payload = {key: job[key] for key in ("rid", "input_ids", "sampling_params")}
@@ -154,6 +158,7 @@ class Sampler:
     server: ServerProcess
     every_s: float
     samples: list = field(default_factory=list)
+    missed: int = 0  # samples the server did not answer in time
     done: threading.Event = field(default_factory=threading.Event)
 
     def run(self) -> None:
@@ -162,13 +167,18 @@ class Sampler:
         while not self.done.wait(self.every_s):
             processes = [root, *root.children(recursive=True)]
             rss = sum(p.memory_info().rss for p in processes if p.is_running())
-            load = requests.get(f"{self.server.url}/v1/loads", timeout=30).json()["loads"][0]
-            info = magicdec_info(self.server.url)
+            try:
+                # Both answer from the scheduler, which a long prefill chunk holds for minutes.
+                load = requests.get(f"{self.server.url}/v1/loads", timeout=600).json()
+                info = magicdec_info(self.server.url, timeout=600)
+            except requests.RequestException:
+                self.missed += 1
+                continue
             self.samples.append(
                 {
                     "t": time.monotonic() - start,
                     "rss_mb": rss / 2**20,
-                    "kv_used": load["num_used_tokens"],
+                    "kv_used": load["loads"][0]["num_used_tokens"],
                     "stored": info["summaries_stored"],
                     "held": info["summaries_held"],
                 }
@@ -176,8 +186,9 @@ class Sampler:
 
 
 def soak(server: ServerProcess, shared: list, unshared: list, args) -> dict:
-    """Send requests (`args.requests`, or until `args.minutes` have passed) `args.concurrency`
-    at a time, then flush the cache once idle; the outcomes, the samples and the final state."""
+    """Send requests (`args.requests`, or until `args.minutes` have passed, when what still runs
+    is aborted) `args.concurrency` at a time, then flush the cache once idle; the outcomes, the
+    samples and the final state."""
     rng = random.Random(args.seed)
     deadline = time.monotonic() + 60 * args.minutes if args.minutes else float("inf")
     outcomes, lock = Outcomes(), threading.Lock()
@@ -198,7 +209,15 @@ def soak(server: ServerProcess, shared: list, unshared: list, args) -> dict:
     thread.start()
     try:
         with ThreadPoolExecutor(args.concurrency) as pool:
-            for future in [pool.submit(worker) for _ in range(args.concurrency)]:
+            futures = [pool.submit(worker) for _ in range(args.concurrency)]
+            left = None if args.minutes is None else max(0.0, deadline - time.monotonic())
+            _, running = wait(futures, timeout=left)
+            if running:
+                # Time is up: what is still queued or running is aborted (a request queued
+                # behind long prefills could otherwise take many minutes more).
+                abort_all = {"rid": "", "abort_all": True}
+                requests.post(f"{server.url}/abort_request", json=abort_all, timeout=600)
+            for future in futures:
                 future.result()
         elapsed = time.monotonic() - started
         time.sleep(2)  # aborted and dropped requests leave the scheduler
@@ -213,6 +232,7 @@ def soak(server: ServerProcess, shared: list, unshared: list, args) -> dict:
     return {
         "outcomes": outcomes,
         "samples": sampler.samples,
+        "missed_samples": sampler.missed,
         "elapsed_s": elapsed,
         "kv_used_after": final_load["num_used_tokens"],
         "info_after": final_info,
@@ -286,7 +306,8 @@ def summarise(result: dict, args) -> str:
         f"dropped {info['summaries_dropped']}, stored at most "
         f"{max(s['stored'] for s in samples)} (after the run: {info['summaries_stored']}); "
         f"drafts without a summary {info['drafts_without_summary']}",
-        f"KV in use: at most {max(s['kv_used'] for s in samples)} of {args.pool} tokens",
+        f"KV in use: at most {max(s['kv_used'] for s in samples)} of {args.pool} tokens "
+        f"({len(samples)} samples; {result['missed_samples']} not answered within 600 s)",
         f"resident memory (MB): first sample {samples[0]['rss_mb']:.0f}, median of the middle "
         f"third {middle:.0f}, of the last third {last:.0f}, max "
         f"{max(s['rss_mb'] for s in samples):.0f}",

@@ -91,7 +91,7 @@ class StepCosts:
             setattr(self, name, min(samples))
 
     def milliseconds(self) -> dict:
-        """The current costs, for `/get_server_info`."""
+        """The current costs, for `/server_info`."""
 
         def ms(seconds: float | None) -> float | None:
             return None if seconds is None else round(seconds * 1000, 2)
@@ -126,7 +126,7 @@ def grid_ceiling(value: float) -> int:
 
 
 def bucket_key(bucket: tuple[int, int]) -> str:
-    """How a (batch size, mean context) bucket is named in `/get_server_info`."""
+    """How a (batch size, mean context) bucket is named in `/server_info`."""
     batch, context = bucket
     return f"batch<={batch},context<={context}"
 

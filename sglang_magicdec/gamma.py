@@ -97,7 +97,7 @@ class GammaController(radix_events.RadixCacheListener):
         return decision
 
     def info(self) -> dict:
-        """The γ block of `/get_server_info`'s `magicdec`."""
+        """The γ block of `/server_info`'s `magicdec`."""
         if self.cost_model is None:
             return {"gamma_mode": "fixed", "current_gamma": self.gamma_max}
         last = self.cost_model.last

@@ -21,7 +21,7 @@ REPORT_DECODE_STATS = (
 # something a round does not follow (`MagicDecWorker._cannot_speculate`).
 PLAIN_REASONS = ("cost_model", "grammar", "custom_logit_processor")
 
-# Worker counter (as in `/get_server_info`'s `magicdec` block) -> (metric, documentation).
+# Worker counter (as in `/server_info`'s `magicdec` block) -> (metric, documentation).
 COUNTERS = {
     "verify_rounds": (
         "sglang:magicdec_request_rounds_total",

@@ -51,7 +51,7 @@ INTERNAL_STATE_SPECULATIVE = (
 
 
 def add_server_info(result, controller, state: dict, *args, **kwargs):
-    """Our worker's own acceptance counters in `/get_server_info`: SGLang's
+    """Our worker's own acceptance counters in `/server_info`: SGLang's
     `avg_spec_accept_length` only folds in every `--decode-log-interval` decode batches."""
     server_info = getattr(controller.scheduler.draft_worker, "server_info", None)
     if server_info is not None:

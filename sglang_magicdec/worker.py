@@ -90,7 +90,7 @@ class MagicDecWorker(BaseSpecWorker):
         )
 
     def server_info(self) -> dict:
-        """What `/get_server_info` shows under `magicdec` (see `plugin.add_server_info`)."""
+        """What `/server_info` shows under `magicdec` (see `plugin.add_server_info`)."""
         return {
             "draft": self.config.draft,
             "budget": self.config.budget,

@@ -142,7 +142,7 @@ def test_a_layer_whose_hook_never_fires_leaves_serving_exact(server_factory, tin
             for prompt, result, tokens in zip(prompts, results, expected, strict=True):
                 assert result["meta_info"]["magicdec_summary"][0]["status"] == "none"
                 assert_same_or_tie(plain, prompt, result["output_ids"], tokens, "silenced layer")
-            state = requests.get(f"{snap.url}/get_server_info", timeout=30).json()
+            state = requests.get(f"{snap.url}/server_info", timeout=30).json()
             info = state["internal_states"][0]["magicdec"]
             assert info["summaries_computed"] == 0
             assert info["drafts_without_summary"] == len(prompts)

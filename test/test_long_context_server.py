@@ -101,7 +101,7 @@ def test_the_default_model_is_the_32k_qwen_and_answers(servers):
         max_tokens=24,
     )
     assert "Paris" in reply.choices[0].message.content
-    info = requests.get(f"{magicdec.url}/get_server_info", timeout=30).json()
+    info = requests.get(f"{magicdec.url}/server_info", timeout=30).json()
     assert info["speculative_algorithm"] == "MAGICDEC"
 
 

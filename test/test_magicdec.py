@@ -191,7 +191,7 @@ def test_kv_pool_back_to_idle(spec, long_prompts):
 
 def test_server_info_reports_acceptance(spec, long_prompts):
     greedy(spec, long_prompts[8], 16, ignore_eos=True)
-    state = requests.get(f"{spec.url}/get_server_info", timeout=30).json()["internal_states"][0]
+    state = requests.get(f"{spec.url}/server_info", timeout=30).json()["internal_states"][0]
     info = state["magicdec"]
     assert info["draft"] == "streaming" and info["gamma"] == GAMMA and info["budget"] == 512
     assert info["verify_rounds"] > 0

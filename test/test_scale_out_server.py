@@ -131,7 +131,7 @@ def assert_outputs_match(reference, prompts, got, expected, label: str) -> None:
 
 
 def magicdec_states(server) -> list[dict]:
-    """Each scheduler's (each DP worker's) MagicDec state, from `/get_server_info`."""
+    """Each scheduler's (each DP worker's) MagicDec state, from `/server_info`."""
     states = server.server_info()["internal_states"]
     return [state["magicdec"] for state in states]
 
@@ -300,7 +300,7 @@ def greedy_then_seeded_twice(server, prompts, tp2_outputs, tie_tp2, label: str) 
 def test_dp2_summarises_each_document_once_per_worker(log_dir, tiny_args, documents, tokenizer,
                                                       tp1_outputs, tie_tp1):  # fmt: skip
     """`--dp 2`: two schedulers behind SGLang's data-parallel controller, each with its own
-    MagicDec worker and summaries, each reported in `/get_server_info`. Each document's 4
+    MagicDec worker and summaries, each reported in `/server_info`. Each document's 4
     questions at once: at most one summary of it per worker, outputs equal to one server's."""
     with serving(log_dir, *tiny_args, "--dp", "2", *SNAPKV) as server:
         states = magicdec_states(server)

@@ -21,7 +21,7 @@ def server(server_factory):
 
 @ON_CPU_MACHINE
 def test_cpu_defaults_need_no_flags(server):
-    info = requests.get(f"{server.url}/get_server_info", timeout=10).json()
+    info = requests.get(f"{server.url}/server_info", timeout=10).json()
     assert info["device"] == "cpu"
     assert info["attention_backend"] == ATTENTION_BACKEND
     assert info["dtype"] == default_dtype(capabilities())

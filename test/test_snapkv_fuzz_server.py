@@ -111,7 +111,7 @@ def _serves(server) -> bool:
 def _assert_idle(server) -> None:
     load = flush_when_idle(server)
     assert load["num_used_tokens"] == 0, load
-    state = requests.get(f"{server.url}/get_server_info", timeout=30).json()
+    state = requests.get(f"{server.url}/server_info", timeout=30).json()
     assert state["internal_states"][0]["magicdec"]["summaries_held"] == 0
 
 

@@ -45,7 +45,7 @@ def long_prompts(tokenizer):
 
 
 def magicdec_info(server) -> dict:
-    state = requests.get(f"{server.url}/get_server_info", timeout=30).json()
+    state = requests.get(f"{server.url}/server_info", timeout=30).json()
     return state["internal_states"][0]["magicdec"]
 
 
@@ -75,7 +75,7 @@ def scrape_metrics(server) -> dict[str, float]:
 
 def test_prometheus_metrics_describe_magicdec(snap, long_prompts):
     """With --enable-metrics, SGLang's speculative gauges describe the MAGICDEC rounds just run
-    and MagicDec's own counters equal `/get_server_info`'s (one request at a time: the last
+    and MagicDec's own counters equal `/server_info`'s (one request at a time: the last
     decode batch was this request's, and nothing runs between the scrape and the info)."""
     result = greedy(snap, long_prompts[3], 32, ignore_eos=True)
     assert result["meta_info"]["spec_verify_ct"] > 0
@@ -93,7 +93,7 @@ def test_prometheus_metrics_describe_magicdec(snap, long_prompts):
 
 def test_batches_that_cannot_speculate_are_counted(snap, long_prompts):
     """A custom logit processor (SGLang's, disallowing " the") makes a batch take plain decode
-    steps: each is counted under its reason in `/get_server_info` and in `/metrics`."""
+    steps: each is counted under its reason in `/server_info` and in `/metrics`."""
     from prometheus_client.parser import text_string_to_metric_families
     from sglang.srt.sampling.custom_logit_processor import DisallowedTokensLogitsProcessor
 

@@ -61,7 +61,7 @@ def reference(server_factory, tiny_args, prompts):
 
 
 def magicdec_info(server) -> dict:
-    state = requests.get(f"{server.url}/get_server_info", timeout=30).json()
+    state = requests.get(f"{server.url}/server_info", timeout=30).json()
     return state["internal_states"][0]["magicdec"]
 
 
