@@ -11,9 +11,13 @@ import requests
 
 from benchmark.server_process import ServerProcess
 from sglang_magicdec.cost_model import alpha_from_accept_length
+from sglang_magicdec.model import QWEN_CODER, SMOLLM2, embedded_model_path
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 RESULTS = Path(__file__).resolve().parent / "results"
+# The embedded models (`sglang_magicdec.model.EMBEDDED_MODELS`) by the short names the benchmark
+# commands' `--model` takes.
+MODELS = {"smollm2": SMOLLM2, "qwen": QWEN_CODER}
 
 
 def best_seconds(fn: Callable[[], object], tries: int = 5) -> float:
@@ -29,8 +33,6 @@ def best_seconds(fn: Callable[[], object], tries: int = 5) -> float:
 
 def load_tokenizer():
     from transformers import AutoTokenizer
-
-    from sglang_magicdec.model import SMOLLM2, embedded_model_path
 
     return AutoTokenizer.from_pretrained(embedded_model_path(SMOLLM2))
 

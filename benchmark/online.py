@@ -25,11 +25,10 @@ from pathlib import Path
 
 import requests
 
-from benchmark.common import DEFAULT_DATA, RESULTS, magicdec_info
+from benchmark.common import DEFAULT_DATA, MODELS, RESULTS, magicdec_info
 from benchmark.server_process import ServerProcess, start_server
-from sglang_magicdec.model import QWEN_CODER, SMOLLM2, embedded_model_path
+from sglang_magicdec.model import embedded_model_path
 
-MODELS = {"smollm2": SMOLLM2, "qwen": QWEN_CODER}
 MODES = {
     "ar": [],
     "magicdec": ["--speculative-algorithm", "MAGICDEC", "--magicdec-gamma", "3"],

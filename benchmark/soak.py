@@ -36,11 +36,10 @@ from pathlib import Path
 import psutil
 import requests
 
-from benchmark.common import DEFAULT_DATA, RESULTS, magicdec_info
+from benchmark.common import DEFAULT_DATA, MODELS, RESULTS, magicdec_info
 from benchmark.server_process import ServerProcess, start_server
-from sglang_magicdec.model import QWEN_CODER, SMOLLM2, embedded_model_path
+from sglang_magicdec.model import embedded_model_path
 
-MODELS = {"smollm2": SMOLLM2, "qwen": QWEN_CODER}
 SPECULATIVE = [
     "--speculative-algorithm", "MAGICDEC", "--magicdec-draft", "snapkv",
     "--magicdec-budget", "256", "--magicdec-share-min-len", "512",
