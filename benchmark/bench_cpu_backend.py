@@ -15,7 +15,10 @@ attention shape: per layer, the time to read the KV at the bandwidth measured in
 the torch reference (`slot_attention_torch`, the `magicdec_cpu_torch` backend) and the native kernel
 (`magicdec_cpu`), for 1, 4 and 8
 query tokens (decode, verify at γ = 3 and 7) and the SnapKV draft (512 keys per KV head), in
-fp32 and bf16; and the linear layers of a step (batch rows: decode or draft; 4 × batch: a γ = 3
+fp32 and bf16, and the native kernel again with every request's keys wrapped over its first 256
+slots (`in cache`: the same arithmetic on KV that stays in L2, its compute alone). A kernel that
+overlaps its reads with its arithmetic runs at about max(floor, in cache); one that does not, at
+about their sum; and the linear layers of a step (batch rows: decode or draft; 4 × batch: a γ = 3
 verify), fp32 and bf16, as `F.linear` against the weight-major product (`platforms/torch_ops.py`).
 """
 
@@ -100,7 +103,10 @@ def kernel_timings(batch: int = 8, context: int = 8000, layers: int = 8) -> None
         f"ms per layer (best of 5 passes over {layers} layers); native: "
         f"{'yes' if native() is not None else 'UNAVAILABLE'}"
     )
-    print(f"{'dtype':6} {'case':10} {'floor':>7} {'torch':>7} {'native':>7} {'torch/nat':>9}")
+    print(
+        f"{'dtype':6} {'case':10} {'floor':>7} {'torch':>7} {'native':>7} {'torch/nat':>9} "
+        f"{'in cache':>8}"
+    )
     generator = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         pools = [
@@ -122,8 +128,15 @@ def kernel_timings(batch: int = 8, context: int = 8000, layers: int = 8) -> None
             def native_path(k, v, q=q, q_indptr=q_indptr, head_slots=head_slots, kv_lens=kv_lens):
                 native_attention(q, k, v, q_indptr, head_slots, kv_lens)
 
+            in_cache = torch.stack(
+                [r * stride + torch.arange(context + q_len) % 256 for r in range(batch)]
+            )[:, None]
+
+            def cached_path(k, v, q=q, q_indptr=q_indptr, slots=in_cache, kv_lens=kv_lens):
+                native_attention(q, k, v, q_indptr, slots, kv_lens)
+
             floor = 2 * batch * (context + q_len) * kv_heads * head_dim * element / bandwidth
-            _kernel_row(dtype, f"q_len {q_len}", floor, pools, torch_path, native_path)
+            _kernel_row(dtype, f"q_len {q_len}", floor, pools, torch_path, native_path, cached_path)
         # The SnapKV draft: per-head lists of `budget` prompt keys scattered over the context.
         head_lists = torch.stack(
             [
@@ -185,7 +198,9 @@ def _few_rows_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return native().few_rows_linear(x, packed_rows(weight), weight.shape[0], out)
 
 
-def _kernel_row(dtype, case: str, floor_s: float, pools, torch_layer, native_layer) -> None:
+def _kernel_row(
+    dtype, case: str, floor_s: float, pools, torch_layer, native_layer, cached_layer=None
+) -> None:
     """One printed row: ms per layer of each path, every layer's pool read in turn."""
     from magicdec_kernels.loader import native
 
@@ -195,13 +210,15 @@ def _kernel_row(dtype, case: str, floor_s: float, pools, torch_layer, native_lay
         return lambda: [attend(pools[2 * i], pools[2 * i + 1]) for i in range(layers)]
 
     torch_ms = _best_ms(over_layers(torch_layer)) / layers
-    native_ms = float("nan")
+    native_ms = cached_ms = float("nan")
     if native() is not None:
         native_ms = _best_ms(over_layers(native_layer)) / layers
+        if cached_layer is not None:
+            cached_ms = _best_ms(over_layers(cached_layer)) / layers
     name = str(dtype).removeprefix("torch.")
     print(
         f"{name:6} {case:10} {floor_s * 1000:7.2f} {torch_ms:7.2f} {native_ms:7.2f} "
-        f"{torch_ms / native_ms:9.2f}"
+        f"{torch_ms / native_ms:9.2f} {cached_ms:8.2f}"
     )
 
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -53,6 +54,14 @@ def run_batch(
                 lambda ids: server.generate({"input_ids": ids, "sampling_params": params}), prompts
             )
         )
+
+
+def stream_chunks(response: requests.Response) -> Iterator[tuple[float, dict]]:
+    """(arrival time, chunk) per chunk of a streamed SGLang or OpenAI-API response, as each
+    arrives (`time.perf_counter()`): its `data: {...}` lines, without the closing `[DONE]`."""
+    for line in response.iter_lines():
+        if line.startswith(b"data: {"):
+            yield time.perf_counter(), json.loads(line[len(b"data: ") :])
 
 
 def magicdec_info(url: str, timeout: float = 30) -> dict:

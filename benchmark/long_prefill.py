@@ -26,7 +26,7 @@ from pathlib import Path
 
 import requests
 
-from benchmark.common import DEFAULT_DATA, MODELS, RESULTS, magicdec_info
+from benchmark.common import DEFAULT_DATA, MODELS, RESULTS, magicdec_info, stream_chunks
 from benchmark.server_process import ServerProcess, start_server
 from sglang_magicdec.model import embedded_model_path
 
@@ -69,11 +69,9 @@ def stream(
     try:
         with requests.post(f"{server.url}/generate", json=payload, stream=True, timeout=3600) as r:
             r.raise_for_status()
-            for line in r.iter_lines():
-                if not line.startswith(b"data:") or line == b"data: [DONE]":
-                    continue
-                out.times.append(time.perf_counter())
-                out.tokens.append(json.loads(line[5:])["meta_info"]["completion_tokens"])
+            for arrived, chunk in stream_chunks(r):
+                out.times.append(arrived)
+                out.tokens.append(chunk["meta_info"]["completion_tokens"])
                 if stop.is_set():
                     break  # closing the stream aborts the request
     except requests.RequestException as error:

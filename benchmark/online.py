@@ -20,12 +20,11 @@ import random
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import requests
 
-from benchmark.common import DEFAULT_DATA, MODELS, RESULTS, magicdec_info
+from benchmark.common import DEFAULT_DATA, MODELS, RESULTS, magicdec_info, stream_chunks
 from benchmark.server_process import ServerProcess, start_server
 from sglang_magicdec.model import embedded_model_path
 
@@ -80,13 +79,10 @@ def idle_tpot_ms(server: ServerProcess, prompt_tokens: int, output_tokens: int =
         "sampling_params": {**SAMPLING, "max_new_tokens": output_tokens, "ignore_eos": True},
         "stream": True,
     }
-    times = []
     with requests.post(f"{server.url}/generate", json=payload, stream=True, timeout=900) as r:
-        for line in r.iter_lines():
-            if line.startswith(b"data: {"):
-                times.append((time.perf_counter(), json.loads(line[6:])["meta_info"]))
-    (first, _), (last, meta) = times[0], times[-1]
-    return 1e3 * (last - first) / (meta["completion_tokens"] - 1)
+        chunks = list(stream_chunks(r))
+    (first, _), (last, chunk) = chunks[0], chunks[-1]
+    return 1e3 * (last - first) / (chunk["meta_info"]["completion_tokens"] - 1)
 
 
 def run_client(

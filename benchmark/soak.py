@@ -36,7 +36,7 @@ from pathlib import Path
 import psutil
 import requests
 
-from benchmark.common import DEFAULT_DATA, MODELS, RESULTS, magicdec_info
+from benchmark.common import DEFAULT_DATA, MODELS, RESULTS, magicdec_info, stream_chunks
 from benchmark.server_process import ServerProcess, start_server
 from sglang_magicdec.model import embedded_model_path
 
@@ -125,8 +125,8 @@ def send(server: ServerProcess, job: dict, outcomes: Outcomes, lock: threading.L
         payload["stream"] = True
         chunks = 0
         with requests.post(f"{server.url}/generate", json=payload, stream=True, timeout=3600) as r:
-            for line in r.iter_lines():
-                chunks += line.startswith(b"data: {")
+            for _ in stream_chunks(r):
+                chunks += 1
                 if chunks == job["drop_after_chunks"]:
                     break  # leaving the block closes the connection: SGLang aborts the request
         with lock:
