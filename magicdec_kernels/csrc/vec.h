@@ -131,8 +131,8 @@ struct Ops {
       t[c + 12] = _mm512_shuffle_f32x4(v[c + 4], v[c + 12], 0xdd);
     }
   }
-  static inline void prefetch(const void* p) {  // into L2
-    _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1);
+  static inline void prefetch(const void* p) {  // into L1 (slot_attention_body.h says why)
+    _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
   }
 };
 
@@ -221,8 +221,8 @@ struct Ops {
       t[c + 4] = _mm256_permute2f128_ps(u[c], u[c + 4], 0x31);
     }
   }
-  static inline void prefetch(const void* p) {  // into L2
-    _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1);
+  static inline void prefetch(const void* p) {  // into L1 (slot_attention_body.h says why)
+    _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
   }
 };
 
