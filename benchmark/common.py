@@ -19,6 +19,11 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # The embedded models (`sglang_magicdec.model.EMBEDDED_MODELS`) by the short names the benchmark
 # commands' `--model` takes.
 MODELS = {"smollm2": SMOLLM2, "qwen": QWEN_CODER}
+# The servers a serving benchmark compares: plain decoding and MagicDec at a fixed γ = 3.
+AR_AND_MAGICDEC = {
+    "ar": [],
+    "magicdec": ["--speculative-algorithm", "MAGICDEC", "--magicdec-gamma", "3"],
+}
 
 
 def best_seconds(fn: Callable[[], object], tries: int = 5) -> float:

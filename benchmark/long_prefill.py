@@ -26,14 +26,16 @@ from pathlib import Path
 
 import requests
 
-from benchmark.common import DEFAULT_DATA, MODELS, RESULTS, magicdec_info, stream_chunks
+from benchmark.common import (
+    AR_AND_MAGICDEC,
+    DEFAULT_DATA,
+    MODELS,
+    RESULTS,
+    magicdec_info,
+    stream_chunks,
+)
 from benchmark.server_process import ServerProcess, start_server
 from sglang_magicdec.model import embedded_model_path
-
-MODES = {
-    "ar": [],
-    "magicdec": ["--speculative-algorithm", "MAGICDEC", "--magicdec-gamma", "3"],
-}
 
 
 @dataclass
@@ -181,7 +183,7 @@ def main() -> None:
     for mode in args.modes.split(","):
         for interval in args.intervals:
             server = start_server(
-                [*common, *MODES[mode], "--prefill-decode-interval", str(interval)],
+                [*common, *AR_AND_MAGICDEC[mode], "--prefill-decode-interval", str(interval)],
                 logs, timeout_s=900,
             )  # fmt: skip
             try:

@@ -24,14 +24,17 @@ from pathlib import Path
 
 import requests
 
-from benchmark.common import DEFAULT_DATA, MODELS, RESULTS, magicdec_info, stream_chunks
+from benchmark.common import (
+    AR_AND_MAGICDEC,
+    DEFAULT_DATA,
+    MODELS,
+    RESULTS,
+    magicdec_info,
+    stream_chunks,
+)
 from benchmark.server_process import ServerProcess, start_server
 from sglang_magicdec.model import embedded_model_path
 
-MODES = {
-    "ar": [],
-    "magicdec": ["--speculative-algorithm", "MAGICDEC", "--magicdec-gamma", "3"],
-}
 # Qwen2.5-Instruct's published generation settings (the converted Qwen folder carries them).
 SAMPLING = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
 TPOT_SLO_FACTOR = 1.5
@@ -137,7 +140,9 @@ def main() -> None:
         "--chunked-prefill-size", str(args.chunk),
         "--prefill-decode-interval", str(args.prefill_decode_interval),
     ]  # fmt: skip
-    servers = {mode: start_server([*common, *extra], logs, 900) for mode, extra in MODES.items()}
+    servers = {
+        mode: start_server([*common, *extra], logs, 900) for mode, extra in AR_AND_MAGICDEC.items()
+    }
     try:
         idle = idle_tpot_ms(servers["ar"], (args.min_prompt + args.max_prompt) // 2)
         slo_ms = TPOT_SLO_FACTOR * idle

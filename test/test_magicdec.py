@@ -14,6 +14,7 @@ import pytest
 import requests
 import torch
 
+from benchmark.common import stream_chunks
 from sglang_magicdec.model import SMOLLM2, embedded_model_path
 from test.helpers import (
     GAMMA,
@@ -164,10 +165,7 @@ def test_abort_mid_round_frees_everything(spec, long_prompts):
                "stream": True}  # fmt: skip
     last, aborted = None, False
     with requests.post(f"{spec.url}/generate", json=payload, stream=True, timeout=300) as stream:
-        for line in stream.iter_lines():
-            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
-                continue
-            last = json.loads(line[len(b"data:") :])
+        for _, last in stream_chunks(stream):
             if not aborted and last["meta_info"]["completion_tokens"] >= 8:
                 requests.post(f"{spec.url}/abort_request", json={"rid": "to-abort"}, timeout=30)
                 aborted = True
