@@ -10,6 +10,7 @@ per batch (`--magicdec-gamma auto`).
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from dataclasses import dataclass, field, replace
 
 
@@ -39,10 +40,22 @@ def round_time(gamma: int, t_draft: float, t_verify: float) -> float:
 
 @dataclass
 class StepCosts:
-    """Seconds of one batch's forwards in a (batch size, context) bucket: each the fastest of its
-    last `RECENT` measurements. Timing noise on a shared machine only ever adds time, and a
-    bucket's first steps can be several times slower than the rest (cold caches and allocator),
-    while within a bucket (context within 2x) the true cost moves little.
+    """Seconds of one batch's forwards in a (batch size, context) bucket. Timing noise on a
+    shared machine only ever adds time, and a bucket's first steps can be several times slower
+    than the rest (cold caches and allocator), so each cost is the fastest of its measurements
+    over a window; within a bucket (context within 25%) the true cost moves little.
+
+    One window for all of them: since the latest measurement of the cost measured longest ago.
+    The γ that runs is measured every round, the others only when explored (every 16-256
+    decisions); were each cost the fastest of its own last few, the running γ's would cover the
+    last second or two and the others' minutes, so a few slow seconds of the machine made the
+    running γ look dearer than the rest, the next γ was measured in the same slow seconds, and γ
+    fell step by step to 0 and stayed there until the explorations came round (a suite run at
+    8 × 7,936 went 3 -> 2 -> 1 -> 0 in six seconds; `test_cost_model.py` replays it). Over one
+    window every cost has seen the same stretch of the machine. When the running γ's own last
+    `RECENT` rounds say it has become dearer than its window does (`moved`), the model explores
+    the others at once (`CostModel.choose`): their fresh measurements move the window on, so
+    a lasting change is followed within a few rounds and a slow spell changes nothing.
 
     decode  a plain decode step (γ = 0)
     draft   one draft step, the round's bookkeeping included (shown, not used to decide)
@@ -55,6 +68,7 @@ class StepCosts:
     """
 
     RECENT = 4
+    KEPT = 1024  # measurements kept per cost (the running γ's: its last 1,024 rounds)
 
     decode: float | None = None
     draft: float | None = None
@@ -62,8 +76,11 @@ class StepCosts:
     rounds_since_exploring: int = 0  # the model's decisions since the last exploration
     explorations: int = 0
     explore_interval: int = 0  # decisions between explorations now (0: not yet set)
-    recent: dict[str | int, list[float]] = field(default_factory=dict)
     measurements: dict[str | int, int] = field(default_factory=dict)  # per name, so far
+    # Per name, its kept measurements and when each was taken (on `clock`: the bucket's count).
+    stamps: dict[str | int, list[int]] = field(default_factory=dict)
+    samples: dict[str | int, list[float]] = field(default_factory=dict)
+    clock: int = 0
 
     def round(self, gamma: int) -> float:
         """Seconds of a round at γ: measured, or on the line through the measured γs."""
@@ -81,14 +98,44 @@ class StepCosts:
         return mean_time + (gamma - mean_gamma) * max(per_token, 0.0)
 
     def measured(self, name: str | int, seconds: float) -> None:
+        self.clock += 1
         self.measurements[name] = self.measurements.get(name, 0) + 1
-        samples = self.recent.setdefault(name, [])
+        stamps = self.stamps.setdefault(name, [])
+        samples = self.samples.setdefault(name, [])
+        stamps.append(self.clock)
         samples.append(seconds)
-        del samples[: -self.RECENT]
-        if isinstance(name, int):
-            self.rounds[name] = min(samples)
-        else:
-            setattr(self, name, min(samples))
+        if len(stamps) > 2 * self.KEPT:
+            del stamps[: -self.KEPT], samples[: -self.KEPT]
+        # The window opens at the latest measurement of the γ (0: plain steps) measured longest
+        # ago; a cost with nothing since then (the draft's, under γ = 0) keeps its own last.
+        horizon = min(
+            (kept[-1] for each, kept in self.stamps.items() if each != "draft"), default=self.clock
+        )
+        for each, kept in self.stamps.items():
+            since = min(bisect_left(kept, horizon), len(kept) - 1)
+            fastest = min(self.samples[each][since:])
+            if isinstance(each, int):
+                self.rounds[each] = fastest
+            else:
+                setattr(self, each, fastest)
+
+    def moved(self, gamma: int) -> float:
+        """How much dearer γ's own last `RECENT` measurements are than its cost over the window
+        (0.1: 10%); 0 if it has none."""
+        samples = self.samples.get("decode" if gamma == 0 else gamma)
+        if not samples:
+            return 0.0
+        window_cost = self.decode if gamma == 0 else self.rounds[gamma]
+        return min(samples[-self.RECENT :]) / window_cost - 1
+
+    def measured_longest_ago(self, gammas: list[int]) -> int:
+        """Of `gammas` (0: plain steps), the one whose latest measurement is the oldest (never
+        measured: first)."""
+
+        def latest(gamma: int) -> int:
+            return self.stamps.get("decode" if gamma == 0 else gamma, [-1])[-1]
+
+        return min(gammas, key=latest)
 
     def milliseconds(self) -> dict:
         """The current costs, for `/server_info`."""
@@ -114,8 +161,8 @@ def grid_ceiling(value: float) -> int:
     """`value` rounded up on the bucket grid: 1 to 8, then four steps per octave (8, 10, 12, 14,
     16, 20, 24, ...), so a bucket spans at most 25%.
 
-    Each cost is the fastest of its recent measurements, so a bucket must not mix steps of very
-    different sizes: with power-of-two buckets, the last rounds of a wave (its requests finish
+    Each cost is the fastest of its measurements in a window, so a bucket must not mix steps of
+    very different sizes: with power-of-two buckets, the last rounds of a wave (its requests finish
     at different rounds, the batch shrinks from 8 to 5) were the cheapest of bucket 8 and made
     its rounds look 15-25% cheaper than a full batch's."""
     value = max(1, math.ceil(value))
@@ -153,6 +200,9 @@ class CostModel:
 
     Hysteresis: a bucket keeps its current γ unless another one is predicted faster by more than
     `hysteresis` (relative), so noise in the measured costs does not flap γ round to round.
+
+    A bucket whose running γ's last rounds cost `moved` (relative) more than its costs' common
+    window says explores the other γs at once, the one measured longest ago first (`StepCosts`).
     """
 
     def __init__(
@@ -165,6 +215,7 @@ class CostModel:
         calibration_rounds: int = 2,
         hysteresis: float = 0.03,
         recent_decay: float = 0.98,
+        moved: float = 0.1,
     ):
         self.gamma_max = gamma_max
         self.prior_alpha = prior_alpha
@@ -174,6 +225,7 @@ class CostModel:
         self.calibration_rounds = calibration_rounds
         self.hysteresis = hysteresis
         self.recent_decay = recent_decay
+        self.moved = moved
         self.costs: dict[tuple[int, int], StepCosts] = {}
         self._drafts: dict[str, tuple[float, float]] = {}  # rid -> (kept, tested)
         self._recent: tuple[float, float] = (0.0, 0.0)  # decayed (kept, tested), all requests
@@ -254,11 +306,17 @@ class CostModel:
             if donor != bucket:
                 decision = replace(decision, reason=f"as {bucket_key(donor)}")
             costs.rounds_since_exploring += 1
-            if costs.rounds_since_exploring >= costs.explore_interval:
+            others = [g for g in (0, *range(self.gamma_max, 0, -1)) if g != decision.gamma]
+            if donor == bucket and costs.moved(decision.gamma) > self.moved:
+                # The running γ's last rounds cost more than its window says: the machine slowed
+                # down, or this γ's cost changed. Measuring the others now tells which (their
+                # fresh costs move the window on, `StepCosts`).
+                explored = costs.measured_longest_ago(others)
+                decision = Decision(explored, decision.predicted_speedup, "exploring")
+            elif costs.rounds_since_exploring >= costs.explore_interval:
                 # Every other γ in turn (what this bucket still lacks first, then plain decoding
                 # first): a cost measured once (cold, or under another load) must not decide
                 # for good.
-                others = [g for g in (0, *range(self.gamma_max, 0, -1)) if g != decision.gamma]
                 explored = missing[0] if missing else others[costs.explorations % len(others)]
                 costs.explorations += 1
                 costs.rounds_since_exploring = 0
