@@ -7,6 +7,8 @@ per-layer Python).
     .venv/bin/python -m benchmark.profile_round                     # fp32, batch 8 x 7,936
     .venv/bin/python -m benchmark.profile_round --dtype bfloat16 --batch 4
     .venv/bin/python -m benchmark.profile_round --py-spy            # and Python frames
+    .venv/bin/python -m benchmark.profile_round --model qwen --batch 4 --context 16000 \
+        --sampling '{"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}'
 
 The split comes from wall-clock timers inside the scheduler (`benchmark/round_timers.py`).
 `--py-spy` adds each Python frame's share of the draft steps and verify passes (time inside a
@@ -17,6 +19,7 @@ sampler takes CPU from the kernels' second thread, so native calls look larger t
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import signal
@@ -30,9 +33,10 @@ from pathlib import Path
 import psutil
 
 from benchmark import round_timers
-from benchmark.common import DEFAULT_DATA, load_tokenizer, magicdec_info, run_batch
+from benchmark.common import DEFAULT_DATA, MODELS, magicdec_info, run_batch
 from benchmark.server_process import start_server
 from benchmark.suite import load_prompts
+from sglang_magicdec.model import embedded_model_path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PY_SPY_PHASES = {"draft steps": "MagicDecWorker._draft_step", "verify": "MagicDecWorker._verify"}
@@ -109,6 +113,7 @@ def print_round_table(parts: dict[str, list], kernels: dict[str, float], wall: f
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="smollm2")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--context", type=int, default=7936)
@@ -116,9 +121,16 @@ def main() -> None:
     parser.add_argument("--gamma", default="3", help="γ, or auto")
     parser.add_argument("--py-spy", action="store_true", help="also sample Python frames")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument(
+        "--sampling", type=json.loads, help="the measured batch's sampling parameters as JSON"
+    )
     args = parser.parse_args()
 
-    prompts = load_prompts(DEFAULT_DATA, args.context, args.batch, load_tokenizer())
+    from transformers import AutoTokenizer
+
+    model_path = embedded_model_path(MODELS[args.model])
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    prompts = load_prompts(DEFAULT_DATA, args.context, args.batch, tokenizer)
     pool = args.batch * (args.context + 2 * args.new_tokens)
     workdir = Path(tempfile.mkdtemp(prefix="profile-round-"))
     site = workdir / "site"
@@ -132,8 +144,8 @@ def main() -> None:
         else ["--speculative-num-steps", args.gamma]
     )
     server = start_server(
-        ["--dtype", args.dtype, "--max-total-tokens", str(pool), "--speculative-algorithm",
-         "MAGICDEC", *gamma],
+        ["--model-path", str(model_path), "--dtype", args.dtype, "--max-total-tokens", str(pool),
+         "--speculative-algorithm", "MAGICDEC", *gamma],
         workdir,
         env={"PYTHONPATH": os.pathsep.join(python_path), round_timers.ENV: str(timers_path)},
     )  # fmt: skip
@@ -141,7 +153,7 @@ def main() -> None:
     spy = None
     try:
         run_batch(server, prompts, 1)  # prefill into the radix cache
-        run_batch(server, prompts, 16)  # warm
+        run_batch(server, prompts, 16, args.sampling)  # warm
         if args.py_spy:
             # The scheduler is the child that has done the work so far.
             children = psutil.Process(server.process.pid).children(recursive=True)
@@ -153,7 +165,7 @@ def main() -> None:
             )  # fmt: skip
         before = round_timers.read(str(timers_path))
         started = time.perf_counter()
-        run_batch(server, prompts, args.new_tokens)
+        run_batch(server, prompts, args.new_tokens, args.sampling)
         wall = time.perf_counter() - started
         after = round_timers.read(str(timers_path))
         if spy is not None:
@@ -163,7 +175,8 @@ def main() -> None:
     finally:
         server.stop()
     print(
-        f"{args.dtype}, batch {args.batch} x {args.context}, γ = {args.gamma}: "
+        f"{args.model} {args.dtype}, batch {args.batch} x {args.context}, γ = {args.gamma}, "
+        f"{json.dumps(args.sampling) if args.sampling else 'greedy'}: "
         f"{info['avg_accept_length']:.2f} tokens per request round"
     )
     print_round_table(*timer_deltas(before, after), wall)
