@@ -45,17 +45,18 @@ class StepCosts:
     than the rest (cold caches and allocator), so each cost is the fastest of its measurements
     over a window; within a bucket (context within 25%) the true cost moves little.
 
-    One window for all of them: since the latest measurement of the cost measured longest ago.
-    The γ that runs is measured every round, the others only when explored (every 16-256
-    decisions); were each cost the fastest of its own last few, the running γ's would cover the
-    last second or two and the others' minutes, so a few slow seconds of the machine made the
-    running γ look dearer than the rest, the next γ was measured in the same slow seconds, and γ
-    fell step by step to 0 and stayed there until the explorations came round (a suite run at
-    8 × 7,936 went 3 -> 2 -> 1 -> 0 in six seconds; `test_cost_model.py` replays it). Over one
+    One window for all of them, reaching back to the oldest of each cost's last `WINDOW`
+    measurements (one alone may be an outlier). The γ that runs is measured every round, the
+    others only when explored (every 16-256 decisions); were each cost the fastest of its own last
+    few, the running γ's would cover the last second or two and the others' minutes, so a few
+    slow seconds of the machine made the running γ look dearer than the rest, the next γ was
+    measured in the same slow seconds, and γ fell step by step to 0 and stayed there until the
+    explorations came round (a suite run at 8 × 7,936 went 3 -> 2 -> 1 -> 0 in six seconds;
+    `test_cost_model.py` replays it). Over one
     window every cost has seen the same stretch of the machine. When the running γ's own last
     `RECENT` rounds say it has become dearer than its window does (`moved`), the model explores
     the others at once (`CostModel.choose`): their fresh measurements move the window on, so
-    a lasting change is followed within a few rounds and a slow spell changes nothing.
+    a lasting change is followed within a dozen rounds and a slow spell changes nothing.
 
     decode  a plain decode step (γ = 0)
     draft   one draft step, the round's bookkeeping included (shown, not used to decide)
@@ -67,6 +68,7 @@ class StepCosts:
     would make every shorter γ look cheaper than it is.
     """
 
+    WINDOW = 2
     RECENT = 4
     KEPT = 1024  # measurements kept per cost (the running γ's: its last 1,024 rounds)
 
@@ -106,10 +108,11 @@ class StepCosts:
         samples.append(seconds)
         if len(stamps) > 2 * self.KEPT:
             del stamps[: -self.KEPT], samples[: -self.KEPT]
-        # The window opens at the latest measurement of the γ (0: plain steps) measured longest
-        # ago; a cost with nothing since then (the draft's, under γ = 0) keeps its own last.
+        # The window holds each γ's (0: plain steps) last `WINDOW` measurements; the draft's
+        # cost, with nothing in it under γ = 0, keeps its own last.
         horizon = min(
-            (kept[-1] for each, kept in self.stamps.items() if each != "draft"), default=self.clock
+            (self._window_start(each) for each in self.stamps if each != "draft"),
+            default=self.clock,
         )
         for each, kept in self.stamps.items():
             since = min(bisect_left(kept, horizon), len(kept) - 1)
@@ -121,21 +124,22 @@ class StepCosts:
 
     def moved(self, gamma: int) -> float:
         """How much dearer γ's own last `RECENT` measurements are than its cost over the window
-        (0.1: 10%); 0 if it has none."""
+        (0.25: 25%); 0 if it has none."""
         samples = self.samples.get("decode" if gamma == 0 else gamma)
         if not samples:
             return 0.0
         window_cost = self.decode if gamma == 0 else self.rounds[gamma]
         return min(samples[-self.RECENT :]) / window_cost - 1
 
+    def _window_start(self, name: str | int) -> int:
+        """When the oldest of `name`'s last `WINDOW` measurements was taken (-1: none yet)."""
+        kept = self.stamps.get(name, [-1])
+        return kept[-min(self.WINDOW, len(kept))]
+
     def measured_longest_ago(self, gammas: list[int]) -> int:
-        """Of `gammas` (0: plain steps), the one whose latest measurement is the oldest (never
-        measured: first)."""
-
-        def latest(gamma: int) -> int:
-            return self.stamps.get("decode" if gamma == 0 else gamma, [-1])[-1]
-
-        return min(gammas, key=latest)
+        """Of `gammas` (0: plain steps), the one whose last `WINDOW` measurements reach back
+        furthest, holding the window open (never measured: first)."""
+        return min(gammas, key=lambda gamma: self._window_start("decode" if gamma == 0 else gamma))
 
     def milliseconds(self) -> dict:
         """The current costs, for `/server_info`."""
@@ -215,7 +219,7 @@ class CostModel:
         calibration_rounds: int = 2,
         hysteresis: float = 0.03,
         recent_decay: float = 0.98,
-        moved: float = 0.1,
+        moved: float = 0.25,
     ):
         self.gamma_max = gamma_max
         self.prior_alpha = prior_alpha
