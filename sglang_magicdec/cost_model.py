@@ -38,6 +38,11 @@ def round_time(gamma: int, t_draft: float, t_verify: float) -> float:
     return gamma * t_draft + t_verify
 
 
+def cost_name(gamma: int) -> str | int:
+    """How `StepCosts` names the cost of γ: "decode" for plain steps (γ = 0), else γ."""
+    return "decode" if gamma == 0 else gamma
+
+
 @dataclass
 class StepCosts:
     """Seconds of one batch's forwards in a (batch size, context) bucket. Timing noise on a
@@ -52,11 +57,11 @@ class StepCosts:
     slow seconds of the machine made the running γ look dearer than the rest, the next γ was
     measured in the same slow seconds, and γ fell step by step to 0 and stayed there until the
     explorations came round (a suite run at 8 × 7,936 went 3 -> 2 -> 1 -> 0 in six seconds;
-    `test_cost_model.py` replays it). Over one
-    window every cost has seen the same stretch of the machine. When the running γ's own last
-    `RECENT` rounds say it has become dearer than its window does (`moved`), the model explores
-    the others at once (`CostModel.choose`): their fresh measurements move the window on, so
-    a lasting change is followed within a dozen rounds and a slow spell changes nothing.
+    `test_cost_model.py` replays it). Over one window every cost has seen the same stretch of
+    the machine. When the running γ's own last `RECENT` rounds say it has become dearer than its
+    window does (`moved`), the model explores the others at once (`CostModel.choose`): their
+    fresh measurements move the window on, so a lasting change is followed within a dozen rounds
+    and a slow spell changes nothing.
 
     decode  a plain decode step (γ = 0)
     draft   one draft step, the round's bookkeeping included (shown, not used to decide)
@@ -125,7 +130,7 @@ class StepCosts:
     def moved(self, gamma: int) -> float:
         """How much dearer γ's own last `RECENT` measurements are than its cost over the window
         (0.25: 25%); 0 if it has none."""
-        samples = self.samples.get("decode" if gamma == 0 else gamma)
+        samples = self.samples.get(cost_name(gamma))
         if not samples:
             return 0.0
         window_cost = self.decode if gamma == 0 else self.rounds[gamma]
@@ -139,7 +144,7 @@ class StepCosts:
     def measured_longest_ago(self, gammas: list[int]) -> int:
         """Of `gammas` (0: plain steps), the one whose last `WINDOW` measurements reach back
         furthest, holding the window open (never measured: first)."""
-        return min(gammas, key=lambda gamma: self._window_start("decode" if gamma == 0 else gamma))
+        return min(gammas, key=lambda gamma: self._window_start(cost_name(gamma)))
 
     def milliseconds(self) -> dict:
         """The current costs, for `/server_info`."""
@@ -336,8 +341,7 @@ class CostModel:
         return [
             gamma
             for gamma in needed
-            if costs.measurements.get("decode" if gamma == 0 else gamma, 0)
-            < self.calibration_rounds
+            if costs.measurements.get(cost_name(gamma), 0) < self.calibration_rounds
         ]
 
     def _nearest_calibrated(self, bucket: tuple[int, int]) -> tuple[int, int] | None:
