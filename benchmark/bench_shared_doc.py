@@ -29,7 +29,13 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmark.common import DEFAULT_DATA, RESULTS, load_tokenizer, magicdec_info
+from benchmark.common import (
+    DEFAULT_DATA,
+    RESULTS,
+    accept_length_between,
+    load_tokenizer,
+    magicdec_info,
+)
 from benchmark.server_process import ServerProcess, start_server
 from sglang_magicdec.cost_model import alpha_from_accept_length
 from sglang_magicdec.model import SMOLLM2, embedded_model_path
@@ -119,12 +125,8 @@ def measure(workload: str, budget: int, mode: str, args, documents, tokenizer, l
         after = magicdec_info(server.url)
     finally:
         server.stop()
-    rounds = after["verify_rounds"] - before["verify_rounds"]
-    tokens = after["avg_accept_length"] * after["verify_rounds"] - (
-        before["avg_accept_length"] * before["verify_rounds"]
-    )
     row = {"workload": workload, "budget": budget, "mode": mode}
-    row["alpha"] = alpha_from_accept_length(tokens / rounds, args.gamma)
+    row["alpha"] = alpha_from_accept_length(accept_length_between(before, after), args.gamma)
     row.update({key: after.get(key, 0) - before.get(key, 0) for key in COUNTERS})
     return row
 

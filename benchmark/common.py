@@ -75,6 +75,17 @@ def magicdec_info(url: str, timeout: float = 30) -> dict:
     return state.get("internal_states", [{}])[0].get("magicdec") or {}
 
 
+def accept_length_between(before: dict, after: dict) -> float | None:
+    """Tokens per request round of the speculative rounds a server ran between two of its
+    `magicdec_info`s (None: none ran). Not SGLang's per-request `spec_verify_ct`, which counts
+    every decode batch of a speculative server, plain steps (γ = 0) included."""
+    rounds = after["verify_rounds"] - before.get("verify_rounds", 0)
+    if not rounds:
+        return None
+    accepted = after["avg_accept_length"] * after["verify_rounds"]
+    return (accepted - before.get("avg_accept_length", 0) * before.get("verify_rounds", 0)) / rounds
+
+
 def alpha_of(results: list[dict], gamma: int) -> float:
     """Per-token acceptance implied by the mean tokens per verify round of these requests."""
     rounds = sum(r["meta_info"].get("spec_verify_ct", 0) for r in results)

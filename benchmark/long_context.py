@@ -9,13 +9,17 @@ default.
     python -m benchmark.long_context --context 16000 --modes ar,fixed,auto --dtype float32 \
         --sampling '{"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}'
                                                            # at Qwen's published sampling
+    python -m benchmark.long_context --context 8000 --modes ar,auto --repeats 3 ...
+                                                           # servers past their first batch
 
 Each document carries a needle sentence at 3/5 of its length; the first question over it asks
 for the needle. Per server: the documents are prefilled first, one request each (the time is
 reported, not part of decode), then each question's own tokens alone (timed apart), then every
 question at once (`ignore_eos`, greedy unless `--sampling`): decode tok/s is the new tokens
-over that batch's wall time. Greedy, every MagicDec mode's outputs are compared with AR's token
-for token (the same ragged batch, so bf16 greedy output must be identical). The AR floor is the
+over that batch's wall time, and the accept length is tokens per request round of the
+speculative rounds alone (γ = auto's plain steps are not rounds). Greedy, every MagicDec mode's
+outputs are compared with AR's token for token (the same ragged batch, so bf16 greedy output
+must be identical). The AR floor is the
 tok/s of an autoregressive decoder that reads the weights a step reads and every request's KV at
 the read bandwidth measured before the servers.
 """
@@ -24,12 +28,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmark.common import DEFAULT_DATA, magicdec_info, run_batch
+from benchmark.common import DEFAULT_DATA, accept_length_between, magicdec_info, run_batch
 from benchmark.floors import ModelShape, ar_floor_tok_s, measure_machine
 from benchmark.server_process import start_server
 from sglang_magicdec.model import QWEN_CODER, embedded_model_path
@@ -99,8 +104,9 @@ def mode_flags(mode: str) -> list[str]:
 
 
 def run_mode(mode: str, args, workload: Workload, log_dir: Path) -> tuple[dict, list[dict]]:
-    pool_tokens = sum(len(p) for p in workload.prompts) + len(workload.prompts) * (
-        args.new_tokens + 16
+    pool_tokens = (
+        sum(len(p) for p in workload.prompts)
+        + len(workload.prompts) * (args.new_tokens + 16) * args.repeats
     )
     server = start_server(
         [*mode_flags(mode), "--dtype", args.dtype, "--max-total-tokens", str(pool_tokens),
@@ -124,18 +130,25 @@ def run_mode(mode: str, args, workload: Workload, log_dir: Path) -> tuple[dict, 
         results = run_batch(server, workload.prompts, args.new_tokens, args.sampling)
         decode_s = time.perf_counter() - start
         after = magicdec_info(server.url)
+        repeat_tok_s = []
+        for _ in range(args.repeats - 1):
+            start = time.perf_counter()
+            repeated = run_batch(server, workload.prompts, args.new_tokens, args.sampling)
+            tokens = sum(r["meta_info"]["completion_tokens"] for r in repeated)
+            repeat_tok_s.append(tokens / (time.perf_counter() - start))
     finally:
         server.stop()
     new_tokens = sum(r["meta_info"]["completion_tokens"] for r in results)
-    rounds = sum(r["meta_info"].get("spec_verify_ct", 0) for r in results)
     row = {
         "prefill_s": prefill_s,
         "questions_prefill_s": questions_prefill_s,
         "decode_s": decode_s,
         "decode_tok_s": new_tokens / decode_s,
-        "accept_length": new_tokens / rounds if rounds else None,
+        "accept_length": accept_length_between(before, after) if after else None,
         "needle_answers": [r["text"] for r in results[:: len(QUESTIONS)]],
     }
+    if repeat_tok_s:
+        row["repeat_tok_s"] = repeat_tok_s
     for key in ("summaries_computed", "summaries_reused"):
         if key in after:
             row[key] = after[key] - before.get(key, 0)
@@ -159,10 +172,14 @@ def ar_floor(workload: Workload, dtype: str, bandwidth: float) -> float:
 def table(rows: dict[str, dict], floor_tok_s: float, prompts: int) -> str:
     """The Markdown table of one run's rows (also rebuilt from a saved JSON by `--table`)."""
     ar = rows.get("ar", {}).get("decode_tok_s")
+    # --repeats: the median of each server's later batches, past its first.
+    later = {mode: statistics.median(row["repeat_tok_s"]) for mode, row in rows.items()
+             if row.get("repeat_tok_s")}  # fmt: skip
     lines = [
         "| mode | prefill s | decode tok/s | × AR | / AR floor | accept length | summaries "
-        "computed / reused | greedy = AR | needle answered |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "computed / reused | greedy = AR | needle answered |"
+        + (" later batches tok/s (× AR) |" if later else ""),
+        "|---|---|---|---|---|---|---|---|---|" + ("---|" if later else ""),
     ]
     for mode, row in rows.items():
         speedup = f"{row['decode_tok_s'] / ar:.2f}" if ar else "-"
@@ -179,6 +196,11 @@ def table(rows: dict[str, dict], floor_tok_s: float, prompts: int) -> str:
             f"{row['decode_tok_s'] / floor_tok_s:.2f} | {accept} | {shared} | {identical} | "
             f"{needles} of {len(row['needle_answers'])} |"
         )
+        if later:
+            cell = f"{later[mode]:.1f}" if mode in later else "-"
+            if mode in later and "ar" in later:
+                cell += f" ({later[mode] / later['ar']:.2f})"
+            lines[-1] += f" {cell} |"
     return "\n".join(lines)
 
 
@@ -188,6 +210,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--documents", type=int, default=1)
     parser.add_argument("--questions", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="decode the question batch this many times per server; the later batches' tok/s "
+        "(a server past its first batch: γ = auto calibrated) is a column of its own",
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--modes", default="ar,fixed,auto,streaming", help=", ".join(MODES))
     parser.add_argument(

@@ -31,6 +31,7 @@ from benchmark.common import (
     DEFAULT_DATA,
     MODELS,
     RESULTS,
+    accept_length_between,
     magicdec_info,
     stream_chunks,
 )
@@ -140,17 +141,10 @@ def measure(server: ServerProcess, decoders: list[list[int]], long_prompt: list[
         "longest_silence_s": max(s.longest_silence(sent, first_token) for s in streams),
     }
     if info_before:
-
-        def accepted(info: dict) -> float:
-            return info["avg_accept_length"] * info["verify_rounds"]
-
-        rounds = info_after["verify_rounds"] - info_before["verify_rounds"]  # per request
         row["summaries_computed"] = (
             info_after["summaries_computed"] - info_before["summaries_computed"]
         )
-        row["window_accept_length"] = (
-            (accepted(info_after) - accepted(info_before)) / rounds if rounds else None
-        )
+        row["window_accept_length"] = accept_length_between(info_before, info_after)
     return row
 
 

@@ -83,7 +83,6 @@ class StepCosts:
     rounds_since_exploring: int = 0  # the model's decisions since the last exploration
     explorations: int = 0
     explore_interval: int = 0  # decisions between explorations now (0: not yet set)
-    measurements: dict[str | int, int] = field(default_factory=dict)  # per name, so far
     # Per name, its kept measurements and when each was taken (on `clock`: the bucket's count).
     stamps: dict[str | int, list[int]] = field(default_factory=dict)
     samples: dict[str | int, list[float]] = field(default_factory=dict)
@@ -106,7 +105,6 @@ class StepCosts:
 
     def measured(self, name: str | int, seconds: float) -> None:
         self.clock += 1
-        self.measurements[name] = self.measurements.get(name, 0) + 1
         stamps = self.stamps.setdefault(name, [])
         samples = self.samples.setdefault(name, [])
         stamps.append(self.clock)
@@ -135,6 +133,14 @@ class StepCosts:
             return 0.0
         window_cost = self.decode if gamma == 0 else self.rounds[gamma]
         return min(samples[-self.RECENT :]) / window_cost - 1
+
+    def as_recently(self, gamma: int) -> StepCosts:
+        """These costs with γ's own (0: plain steps) at its last `RECENT` measurements (`moved`),
+        for deciding; the measurements are shared, not copied."""
+        recent = (self.decode if gamma == 0 else self.rounds[gamma]) * (1 + self.moved(gamma))
+        if gamma == 0:
+            return replace(self, decode=recent)
+        return replace(self, rounds={**self.rounds, gamma: recent})
 
     def _window_start(self, name: str | int) -> int:
         """When the oldest of `name`'s last `WINDOW` measurements was taken (-1: none yet)."""
@@ -211,7 +217,8 @@ class CostModel:
     `hysteresis` (relative), so noise in the measured costs does not flap γ round to round.
 
     A bucket whose running γ's last rounds cost `moved` (relative) more than its costs' common
-    window says explores the other γs at once, the one measured longest ago first (`StepCosts`).
+    window says, enough that another γ would win at that cost, explores the other γs at once,
+    the one measured longest ago first (`StepCosts`).
     """
 
     def __init__(
@@ -316,10 +323,16 @@ class CostModel:
                 decision = replace(decision, reason=f"as {bucket_key(donor)}")
             costs.rounds_since_exploring += 1
             others = [g for g in (0, *range(self.gamma_max, 0, -1)) if g != decision.gamma]
-            if donor == bucket and costs.moved(decision.gamma) > self.moved:
-                # The running γ's last rounds cost more than its window says: the machine slowed
-                # down, or this γ's cost changed. Measuring the others now tells which (their
-                # fresh costs move the window on, `StepCosts`).
+            if (
+                donor == bucket
+                and costs.moved(decision.gamma) > self.moved
+                and self.best(costs.as_recently(decision.gamma), alphas).gamma != decision.gamma
+            ):
+                # The running γ's last rounds cost more than its window says, enough that another
+                # γ would win were that to last: the machine slowed down, or this γ's cost
+                # changed. Measuring the others now tells which (their fresh costs move the
+                # window on, `StepCosts`). Where no other γ would win (plain steps where rounds
+                # cost twice as much), exploring them at once only spends losing rounds.
                 explored = costs.measured_longest_ago(others)
                 decision = Decision(explored, decision.predicted_speedup, "exploring")
             elif costs.rounds_since_exploring >= costs.explore_interval:
@@ -341,7 +354,7 @@ class CostModel:
         return [
             gamma
             for gamma in needed
-            if costs.measurements.get(cost_name(gamma), 0) < self.calibration_rounds
+            if len(costs.stamps.get(cost_name(gamma), ())) < self.calibration_rounds
         ]
 
     def _nearest_calibrated(self, bucket: tuple[int, int]) -> tuple[int, int] | None:

@@ -378,3 +378,37 @@ def test_one_slow_plain_step_after_calibration_is_not_the_plain_steps_cost():
     costs = model.costs[bucket]
     assert costs.decode == 0.2608
     assert model.best(costs, [0.8] * 8).gamma == 0
+
+
+def test_a_slow_spell_of_plain_steps_where_rounds_lose_by_far_explores_nothing():
+    """The Qwen model at 8 x 8K in float32 on a Xeon without matrix units (a MAGICDEC server's
+    costs there): plain steps 172 ms, rounds 395 / 607 / 781 ms at γ = 1 / 2 / 3, α 0.5. Plain
+    steps running 40% slower for a while would not make any round win, so the model must not
+    spend rounds measuring them at once (it explored γ = 3, 1, 3 and 2 in a row there, each
+    round costing 2.3-4.5 plain steps); a slowdown that would change the choice still does."""
+    costs = {0: 0.172, 1: 0.395, 2: 0.607, 3: 0.781}
+
+    def run(plain_slowdown: float) -> list:
+        model = CostModel(gamma_max=3)
+        rids = [f"r{i}" for i in range(8)]
+        bucket = CostModel.bucket(8, 8050)
+        made = []
+        for index in range(120):
+            decision = model.choose(rids, 8050)
+            seconds = costs[decision.gamma]
+            if decision.gamma == 0:
+                model.record_decode(bucket, seconds * (plain_slowdown if index >= 60 else 1))
+            else:
+                model.record_round(bucket, decision.gamma, 0.14, seconds)
+                model.record_acceptance(rids, [1 + (i % 2) for i in range(8)], decision.gamma)
+            made.append(decision)
+        return made
+
+    slow = run(1.4)
+    assert {d.gamma for d in slow[20:] if d.reason == "model"} == {0}
+    exploring = [i for i, d in enumerate(slow) if d.reason == "exploring" and i >= 60]
+    regular = [i for i, d in enumerate(run(1.0)) if d.reason == "exploring" and i >= 60]
+    assert exploring == regular  # only the regular explorations
+    # Plain steps 2.5x dearer would lose to γ = 1 rounds (30 tokens/s against 19): explored.
+    much_slower = run(2.5)
+    assert len([d for d in much_slower[60:70] if d.reason == "exploring"]) >= 2
