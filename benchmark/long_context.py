@@ -9,8 +9,9 @@ default.
     python -m benchmark.long_context --context 16000 --modes ar,fixed,auto --dtype float32 \
         --sampling '{"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}'
                                                            # at Qwen's published sampling
-    python -m benchmark.long_context --context 8000 --modes ar,auto --repeats 3 ...
-                                                           # servers past their first batch
+    python -m benchmark.long_context --context 8000 --modes ar,auto --repeats 3 --turns 2 ...
+                                                           # servers past their first batch,
+                                                           # AR and γ = auto taking turns
 
 Each document carries a needle sentence at 3/5 of its length; the first question over it asks
 for the needle. Per server: the documents are prefilled first, one request each (the time is
@@ -211,6 +212,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--questions", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument(
+        "--turns", type=int, default=1, help="run the servers this many times, taking turns"
+    )
+    parser.add_argument(
         "--repeats",
         type=int,
         default=1,
@@ -251,11 +255,13 @@ def main(argv: list[str] | None = None) -> None:
         flush=True,
     )
     modes = args.modes.split(",") + [f"budget={b}" for b in args.budgets.split(",") if b]
+    # --turns: the servers again in the same order, named "ar #2", "auto #2", ...
+    modes += [f"{mode} #{turn}" for turn in range(2, args.turns + 1) for mode in modes]
     rows: dict[str, dict] = {}
     outputs: dict[str, list[list[int]]] = {}
     with tempfile.TemporaryDirectory() as log_dir:
         for mode in modes:
-            rows[mode], results = run_mode(mode, args, workload, Path(log_dir))
+            rows[mode], results = run_mode(mode.split(" #")[0], args, workload, Path(log_dir))
             outputs[mode] = [r["output_ids"] for r in results]
             if mode != "ar" and "ar" in outputs and args.sampling is None:
                 pairs = list(zip(outputs[mode], outputs["ar"], strict=True))
