@@ -98,7 +98,9 @@ def test_unmeasured_gamma_lies_on_the_line_through_measured_rounds():
 
 
 def test_calibrates_then_decides_and_explores():
-    model = CostModel(gamma_max=3, explore_every=2, calibration_rounds=2)
+    # explore_overhead: any exploration may cost up to a decision's worth of time here (the
+    # schedule, not its spacing by loss: `test_explorations_that_lose_by_far_are_spaced_out`).
+    model = CostModel(gamma_max=3, explore_every=2, calibration_rounds=2, explore_overhead=1.0)
     rids = ["a", "b"]
     bucket = CostModel.bucket(2, 1000)
     for seconds in (0.05, 0.01):  # the first step is cold: the fastest calibration step counts
@@ -166,7 +168,7 @@ def test_a_settled_bucket_explores_ever_less_often_until_its_gamma_changes():
     """Where plain steps win (γ = 0 settled), each exploration that confirms it doubles the
     interval to the next (16, 32, 64 decisions...): exploring costs ever less of a long run.
     Once rounds become cheap the model's γ changes, and the interval is back to 16."""
-    model = CostModel(gamma_max=3, explore_every=16, calibration_rounds=1)
+    model = CostModel(gamma_max=3, explore_every=16, calibration_rounds=1, explore_overhead=1.0)
     rids = ["a", "b"]
     slow = {"plain_seconds": 0.1, "round_seconds": 0.5, "draft_seconds": 0.1}
     explored_at = []
@@ -412,3 +414,50 @@ def test_a_slow_spell_of_plain_steps_where_rounds_lose_by_far_explores_nothing()
     # Plain steps 2.5x dearer would lose to γ = 1 rounds (30 tokens/s against 19): explored.
     much_slower = run(2.5)
     assert len([d for d in much_slower[60:70] if d.reason == "exploring"]) >= 2
+
+
+def test_explorations_that_lose_by_far_are_spaced_out():
+    """The Qwen model's costs at 8 x 8K in float32 on a Xeon without matrix units, settled on
+    plain steps: a γ = 3 round costs 4.5 plain steps for about 2 steps' tokens. Explored on the
+    regular schedule (16, 32, 64 ... decisions), such rounds cost 4-8% of a 64-token batch;
+    spaced by their predicted loss they cost at most `explore_overhead` (2%) of the time, and
+    every γ is still explored at least every `explore_every_max` decisions. Where the γs are
+    close (the default-sampling suite's costs), the regular schedule is unchanged."""
+    costs = {0: 0.172, 1: 0.395, 2: 0.607, 3: 0.781}
+    rids = [f"r{i}" for i in range(8)]
+
+    def lost_share(model: CostModel, decisions: int) -> tuple[float, list[int]]:
+        bucket = CostModel.bucket(8, 8050)
+        lost = total = 0.0
+        explored_at = []
+        for index in range(decisions):
+            decision = model.choose(rids, 8050)
+            seconds = costs[decision.gamma]
+            total += seconds
+            if decision.gamma == 0:
+                model.record_decode(bucket, seconds)
+                continue
+            accepted = [1 + (i % 2) for i in range(8)]  # 1.5 tokens per request round
+            model.record_round(bucket, decision.gamma, 0.14, seconds)
+            model.record_acceptance(rids, accepted, decision.gamma)
+            if decision.reason == "exploring":
+                explored_at.append(index)
+                lost += seconds - sum(accepted) / len(rids) * costs[0]
+        return lost / total, explored_at
+
+    # The first 140 decisions (two 64-token batches): 3 losing rounds on the regular schedule.
+    spaced, _ = lost_share(CostModel(gamma_max=3), 140)
+    unspaced, _ = lost_share(CostModel(gamma_max=3, explore_overhead=float("inf")), 140)
+    assert unspaced > 0.03 and spaced <= 0.02, (spaced, unspaced)
+    _, explored_at = lost_share(CostModel(gamma_max=3), 1000)
+    assert len(explored_at) >= 3  # each of γ = 1, 2, 3 still measured now and then
+    assert max(b - a for a, b in zip(explored_at, explored_at[1:], strict=False)) <= 256 + 1
+
+    # Close γs (a γ = 2 or 3 round within 3% of each other): explored at 16, 32, 64 ...
+    def explored(model: CostModel) -> list[int]:
+        made = serve(model, 200, lambda index, gamma: 1.0)
+        return [i for i, d in enumerate(made) if d.reason == "exploring"]
+
+    assert explored(CostModel(gamma_max=3)) == explored(
+        CostModel(gamma_max=3, explore_overhead=float("inf"))
+    )
