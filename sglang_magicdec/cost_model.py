@@ -88,6 +88,10 @@ class StepCosts:
     samples: dict[str | int, list[float]] = field(default_factory=dict)
     clock: int = 0
 
+    def seconds(self, gamma: int) -> float:
+        """Seconds of a batch's forward at γ: a plain step (γ = 0) or a round (`round`)."""
+        return self.decode if gamma == 0 else self.round(gamma)
+
     def round(self, gamma: int) -> float:
         """Seconds of a round at γ: measured, or on the line through the measured γs."""
         if gamma in self.rounds:
@@ -131,13 +135,12 @@ class StepCosts:
         samples = self.samples.get(cost_name(gamma))
         if not samples:
             return 0.0
-        window_cost = self.decode if gamma == 0 else self.rounds[gamma]
-        return min(samples[-self.RECENT :]) / window_cost - 1
+        return min(samples[-self.RECENT :]) / self.seconds(gamma) - 1
 
     def as_recently(self, gamma: int) -> StepCosts:
         """These costs with γ's own (0: plain steps) at its last `RECENT` measurements (`moved`),
         for deciding; the measurements are shared, not copied."""
-        recent = (self.decode if gamma == 0 else self.rounds[gamma]) * (1 + self.moved(gamma))
+        recent = self.seconds(gamma) * (1 + self.moved(gamma))
         if gamma == 0:
             return replace(self, decode=recent)
         return replace(self, rounds={**self.rounds, gamma: recent})
@@ -327,6 +330,7 @@ class CostModel:
                 decision = replace(decision, reason=f"as {bucket_key(donor)}")
             costs.rounds_since_exploring += 1
             others = [g for g in (0, *range(self.gamma_max, 0, -1)) if g != decision.gamma]
+            in_turn = missing[0] if missing else others[costs.explorations % len(others)]
             if (
                 donor == bucket
                 and costs.moved(decision.gamma) > self.moved
@@ -342,14 +346,12 @@ class CostModel:
             elif costs.rounds_since_exploring >= costs.explore_interval and (
                 missing
                 or costs.rounds_since_exploring
-                >= self.exploration_spacing(
-                    costs, alphas, decision.gamma, others[costs.explorations % len(others)]
-                )
+                >= self.exploration_spacing(costs, alphas, decision.gamma, in_turn)
             ):
                 # Every other γ in turn (what this bucket still lacks first, then plain decoding
                 # first): a cost measured once (cold, or under another load) must not decide
                 # for good.
-                explored = missing[0] if missing else others[costs.explorations % len(others)]
+                explored = in_turn
                 costs.explorations += 1
                 costs.rounds_since_exploring = 0
                 costs.explore_interval = min(2 * costs.explore_interval, self.explore_every_max)
@@ -389,13 +391,8 @@ class CostModel:
         every `explore_every_max`. On the Qwen model in float32 a γ = 3 round costs 4.5 plain
         steps for about 2 steps' tokens; explored every 16-64 decisions, as where γs are close,
         such rounds cost a settled γ = 0 batch 4-8% against plain decoding."""
-
-        def seconds(gamma: int) -> float:
-            return costs.decode if gamma == 0 else costs.round(gamma)
-
-        lost = seconds(explored) / seconds(running) - self.tokens(explored, alphas) / self.tokens(
-            running, alphas
-        )
+        time_ratio = costs.seconds(explored) / costs.seconds(running)
+        lost = time_ratio - self.tokens(explored, alphas) / self.tokens(running, alphas)
         return min(max(lost, 0.0) / self.explore_overhead, self.explore_every_max)
 
     def tokens(self, gamma: int, alphas: list[float]) -> float:
@@ -407,9 +404,9 @@ class CostModel:
     def best(self, costs: StepCosts, alphas: list[float], current: int | None = None) -> Decision:
         """The γ with the highest predicted tokens/s; `current` (the bucket's γ so far) stays
         unless beaten by more than the hysteresis margin."""
-        rates = [self.tokens(0, alphas) / costs.decode]
-        for gamma in range(1, self.gamma_max + 1):
-            rates.append(self.tokens(gamma, alphas) / costs.round(gamma))
+        rates = [
+            self.tokens(gamma, alphas) / costs.seconds(gamma) for gamma in range(self.gamma_max + 1)
+        ]
         best_gamma = max(range(len(rates)), key=rates.__getitem__)
         if current is not None and rates[best_gamma] <= rates[current] * (1 + self.hysteresis):
             best_gamma = current
