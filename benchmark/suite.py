@@ -123,11 +123,15 @@ def measure_against_ar(
                 "speedup": statistics.median(spec / ar for ar, spec in turns[batch]),
                 "alpha": statistics.median(alphas[batch]) if alphas[batch] else None,
                 "gamma": decision.get("gamma"),
+                "budget": decision.get("budget"),
                 "predicted_speedup": decision.get("predicted_speedup"),
                 # The server's own step costs (γ = auto measures them; fixed γ does not).
                 "decode_ms": decision.get("decode_ms"),
                 "draft_ms": decision.get("draft_ms"),
                 "round_ms": decision.get("round_ms", {}),  # per γ
+                # Budget = auto: each budget's draft step, and the server's α at each.
+                "draft_ms_by_budget": decision.get("draft_ms_by_budget"),
+                "alpha_by_budget": magicdec_info(servers[mode].url).get("alpha_by_budget"),
             }
         )
     return points
@@ -152,7 +156,7 @@ def measure_server(url: str, prompts_by_context, batches, new_tokens, repeats) -
 def throughput_table(points: list[dict]) -> str:
     lines = [
         "| mode | context | batch | AR tok/s | MagicDec tok/s | speedup (median of turns) "
-        "| α | auto γ | auto predicted |",
+        "| α | auto γ (@ budget) | auto predicted |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for point in points:
@@ -162,14 +166,21 @@ def throughput_table(points: list[dict]) -> str:
             f"| {point['mode']} | {point['context']} | {point['batch']} "
             f"| {point['ar_tokens_per_s']:.1f} | {point['tokens_per_s']:.1f} "
             f"| {point['speedup']:.2f}x | {'-' if alpha is None else f'{alpha:.3f}'} "
-            f"| {point['gamma'] if auto else '-'} "
+            f"| {auto_plan(point) if auto else '-'} "
             f"| {f'{predicted:.2f}x' if auto and predicted else '-'} |"
         )
     return "\n".join(lines)
 
 
+def auto_plan(point: dict) -> str:
+    """γ = auto's choice for the full batch: its γ, and its budget where it chooses one."""
+    if "budget=auto" in point["mode"]:
+        return f"{point['gamma']} @ {point.get('budget')}"
+    return str(point["gamma"])
+
+
 def is_auto(mode: str) -> bool:
-    return mode == "auto"
+    return mode.startswith("auto")
 
 
 def step_cost_table(
@@ -193,7 +204,7 @@ def step_cost_table(
         batch, context = point["batch"], point["context"]
         plain_floor = read_seconds(model, dtype, batch * (context + new_tokens / 2), bandwidth)
         # The draft reads its budget of prompt KV, the tokens generated so far and the round's.
-        draft_tokens = min(context, budget) + new_tokens / 2
+        draft_tokens = min(context, point.get("budget") or budget) + new_tokens / 2
         draft_floor = read_seconds(model, dtype, batch * draft_tokens, bandwidth)
         draft_ms = point["draft_ms"]
         rounds = ", ".join(
@@ -244,6 +255,18 @@ def main() -> None:
         "--fixed-gammas", type=int, nargs="+", help="fixed γ values to measure (default: --gamma)"
     )
     parser.add_argument(
+        "--budgets",
+        type=int,
+        nargs="+",
+        help=f"SnapKV budgets, each measured at every fixed γ (default: the server's, "
+        f"{MAGICDEC_BUDGET})",
+    )
+    parser.add_argument(
+        "--auto-budget",
+        action="store_true",
+        help="also measure γ and budget = auto (--magicdec-budget auto)",
+    )
+    parser.add_argument(
         "--sampling",
         type=json.loads,
         help="sampling parameters as JSON (default greedy), e.g. Qwen's published defaults: "
@@ -274,11 +297,19 @@ def main() -> None:
         return
 
     modes = {
-        f"γ={gamma}": [*SPECULATIVE, "--speculative-num-steps", str(gamma)]
+        f"γ={gamma}" + (f", budget={budget}" if budget else ""): [
+            *SPECULATIVE,
+            "--speculative-num-steps",
+            str(gamma),
+            *(["--magicdec-budget", str(budget)] if budget else []),
+        ]
         for gamma in args.fixed_gammas or [args.gamma]
+        for budget in args.budgets or [None]
     }
     auto_max = [*SPECULATIVE, "--speculative-num-steps", str(args.gamma)]
     modes["auto"] = [*auto_max, "--magicdec-gamma", "auto"]
+    if args.auto_budget:
+        modes["auto, budget=auto"] = [*modes["auto"], "--magicdec-budget", "auto"]
     progress = tqdm(
         total=len(modes) * len(contexts) * len(batches) * args.repeats, desc="throughput", unit="pt"
     )

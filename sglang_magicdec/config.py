@@ -11,6 +11,8 @@ ALGORITHM = "MAGICDEC"
 DRAFTS = ("streaming", "snapkv")
 POOLS = ("avg", "max")
 DEFAULT_GAMMA = 3
+# The budgets `--magicdec-budget auto` chooses among (MagicDec's own sweep spans 256-4,096).
+AUTO_BUDGETS = (256, 512, 1024, 2048, 4096)
 GROUP_TITLE = "MagicDec"
 GROUP_DESCRIPTION = (
     "Self-speculative decoding for long contexts (with --speculative-algorithm MAGICDEC): the "
@@ -26,7 +28,8 @@ class MagicDecConfig:
     draft        KV-selection policy of the draft: "streaming" (sinks + recent window) or
                  "snapkv" (per layer and KV head, the prompt positions the prompt's last
                  queries attend to most, plus those queries' own window)
-    budget       draft KV tokens per request for the prompt part (sinks or window included)
+    budget       draft KV tokens per request for the prompt part (sinks or window included);
+                 "auto": the cost model picks one of `AUTO_BUDGETS` with γ per batch
     sinks        streaming: attention-sink tokens at the start of the context
     obs_window   snapkv: the last prompt tokens whose queries score the earlier positions
     pool         snapkv: "avg" or "max" pooling of the scores along positions
@@ -36,13 +39,14 @@ class MagicDecConfig:
     gamma        "auto": the cost model picks γ ∈ {0..--speculative-num-steps} per batch;
                  a number N is --speculative-num-steps N; None: fixed γ from SGLang's flag
     min_context  below this many committed tokens the draft reads the whole context, i.e. the
-                 request is decoded plainly (its draft is the target itself); None = budget
+                 request is decoded plainly (its draft is the target itself); None = the
+                 (smallest) budget
     debug        check every draft selection against the request's live KV slots, and report
                  each (layer, KV head) SnapKV selection's digest (tests)
     """
 
     draft: str = "snapkv"
-    budget: int = 512
+    budget: int | str = 512
     sinks: int = 16
     obs_window: int = 32
     pool: str = "avg"
@@ -59,9 +63,19 @@ class MagicDecConfig:
             )
         if self.sinks < 0:
             raise ValueError(f"--magicdec-sinks must be >= 0, got {self.sinks}")
-        if self.budget <= self.sinks:
+        if self.budget == "auto":
+            if self.gamma != "auto":
+                raise ValueError(
+                    "--magicdec-budget auto needs --magicdec-gamma auto: the cost model chooses "
+                    "both"
+                )
+        elif isinstance(self.budget, str) and not self.budget.isdigit():
+            raise ValueError(f"--magicdec-budget must be 'auto' or an integer, got {self.budget!r}")
+        elif isinstance(self.budget, str):
+            object.__setattr__(self, "budget", int(self.budget))
+        if self.min_budget <= self.sinks:
             raise ValueError(
-                f"--magicdec-budget ({self.budget}) must be larger than --magicdec-sinks "
+                f"--magicdec-budget ({self.min_budget}) must be larger than --magicdec-sinks "
                 f"({self.sinks}): the draft needs room for recent tokens"
             )
         if self.draft == "snapkv":
@@ -75,9 +89,10 @@ class MagicDecConfig:
             raise ValueError(f"--magicdec-min-context must be >= 0, got {self.min_context}")
 
     def _check_snapkv(self) -> None:
-        if self.obs_window < 1 or self.obs_window >= self.budget:
+        if self.obs_window < 1 or self.obs_window >= self.min_budget:
             raise ValueError(
-                f"--magicdec-obs-window must be in [1, budget {self.budget}), got {self.obs_window}"
+                f"--magicdec-obs-window must be in [1, budget {self.min_budget}), "
+                f"got {self.obs_window}"
             )
         if self.pool not in POOLS:
             raise ValueError(
@@ -92,9 +107,23 @@ class MagicDecConfig:
             )
 
     @property
+    def budgets(self) -> tuple[int, ...]:
+        """The budgets a round may draft with: the one given, or `AUTO_BUDGETS`."""
+        return AUTO_BUDGETS if self.budget == "auto" else (self.budget,)
+
+    @property
+    def min_budget(self) -> int:
+        return self.budgets[0]
+
+    @property
+    def max_budget(self) -> int:
+        """The budget summaries are selected at (a smaller one is a prefix of its ranking)."""
+        return self.budgets[-1]
+
+    @property
     def dense_below(self) -> int:
         """Committed length below which a request's draft is the whole context."""
-        return self.budget if self.min_context is None else self.min_context
+        return self.min_budget if self.min_context is None else self.min_context
 
     @classmethod
     def of(cls, server_args) -> MagicDecConfig:
@@ -111,8 +140,9 @@ _FLAGS = {
     "budget": (
         "--magicdec-budget",
         dict(
-            type=int,
-            help="draft KV tokens per request for the prompt part, sinks included (default: 512)",
+            help="draft KV tokens per request for the prompt part, sinks included; 'auto' "
+            f"(with --magicdec-gamma auto): the cost model picks one of {AUTO_BUDGETS} per batch "
+            "(default: 512)",
         ),
     ),
     "sinks": (

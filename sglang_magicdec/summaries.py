@@ -2,11 +2,13 @@
 
 A summary is the draft's selection over one prompt: per layer and KV head, the positions kept
 (the SnapKV top-k plus the observation window) and a ranked margin of the next-best positions.
-It is computed once, when a prompt is prefilled. A later request whose prompt shares at least
-`share_min_len` tokens with it (a document or system prompt sent with different questions, the
-earlier turns of a conversation) reuses the positions inside the shared part, refilled from the
-margin where positions past the shared part drop out, so that every layer and KV head keeps as
-many positions as the summary has; the request's own suffix becomes recent tokens.
+It is computed once, when a prompt is prefilled, at the largest budget the server drafts with;
+the kept positions are ranked too, so the selection at any smaller budget is a prefix of them.
+A later request whose prompt shares at least `share_min_len` tokens with it (a document or system
+prompt sent with different questions, the earlier turns of a conversation) reuses the positions
+inside the shared part, refilled from the margin where positions past the shared part drop out, so
+that every layer and KV head keeps as many positions as the summary has; the request's own suffix
+becomes recent tokens.
 
 Finding the longest shared prefix: each summary's prompt is indexed by the chained hashes of its
 whole blocks of `block` tokens (as vLLM keys its prefix-cache blocks); a lookup hashes the
@@ -33,8 +35,11 @@ import logging
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
+
+from sglang_magicdec.spec_info import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +53,8 @@ class Summary:
     tokens        the prompt's token ids
     positions     [layers, Hkv, kept] sorted positions in [0, len(tokens)), int32
     margin        [layers, Hkv, M] the next-best pre-window positions, best first, int32
+    ranked        [layers, Hkv, kept] the same positions as `positions`, the observation window
+                  first, then best first (None: only the whole selection is ever read)
     prompt_slots  pool slots of the prompt's tokens but the last, where the radix cache holds
                   them (SGLang never matches a whole prompt: a request repeating it recomputes
                   the last token in a slot of its own, which nobody keeps)
@@ -60,6 +67,7 @@ class Summary:
     margin: torch.Tensor
     prompt_slots: torch.Tensor
     live_len: int = -1
+    ranked: torch.Tensor | None = None
     holders: set[str] = field(default_factory=set)
     block_hashes: list[int] = field(default_factory=list)
 
@@ -86,19 +94,27 @@ class Summary:
             for head in self.positions.flatten(0, 1)
         ]
 
-    def positions_within(self, shared_len: int) -> torch.Tensor:
-        """The selection for a prompt sharing only the first `shared_len` tokens: the positions
-        before `shared_len`, each (layer, KV head) refilled to min(kept, shared_len) positions
-        from its margin, best first, then (margin used up) from the latest positions before
-        `shared_len` not yet kept. Sorted, int32, [layers, Hkv, min(kept, shared_len)]."""
-        if shared_len >= self.length:
-            return self.positions
+    def positions_within(self, shared_len: int, budget: int | None = None) -> torch.Tensor:
+        """The selection at `budget` (None: the whole one) for a prompt sharing only the first
+        `shared_len` tokens: the positions before `shared_len`, each (layer, KV head) refilled
+        to min(kept, shared_len) positions from the rest of its ranking, best first, then from
+        the latest positions before `shared_len` not yet kept. Sorted, int32,
+        [layers, Hkv, min(kept, shared_len)], kept being min(budget, the whole selection)."""
         layers, kv_heads, kept = self.positions.shape
+        positions, margin = self.positions, self.margin
+        if budget is not None and budget < kept:
+            if self.ranked is None:
+                raise ValueError(f"a summary selected at {kept} without its ranking: no {budget}")
+            positions = self.ranked[..., :budget].sort(dim=-1).values
+            margin = torch.cat([self.ranked[..., budget:], margin], dim=-1)
+            kept = budget
+        if shared_len >= self.length:
+            return positions
         width = min(kept, shared_len)
         rows = []
         for position_row, margin_row in zip(
-            self.positions.reshape(-1, kept),
-            self.margin.reshape(layers * kv_heads, -1),
+            positions.reshape(-1, kept),
+            margin.reshape(layers * kv_heads, -1),
             strict=True,
         ):
             keep = position_row[position_row < shared_len]
@@ -118,15 +134,32 @@ class Summary:
 
 @dataclass
 class Holding:
-    """What one request drafts with: a summary, the prefix it shares with it, and the
-    positions within that prefix (the summary's own when it shares all of it), also on the
-    request's device once it drafts (`device_positions`, copied once, read every round)."""
+    """What one request drafts with: a summary and the prefix it shares with it. Its positions
+    within that prefix at a budget (the summary's own when it shares all of it) are computed
+    at the first round drafting with that budget and copied to the request's device once
+    (`device_positions`, read every round)."""
+
+    # Budgets whose positions a request keeps on its device: the running one and one explored.
+    # Each is up to layers x KV heads x 4,096 int64 per request; others are recomputed.
+    KEPT_BUDGETS: ClassVar[int] = 2
 
     summary: Summary
     shared_len: int
-    positions: torch.Tensor
-    device_positions: torch.Tensor | None = None
     anchored: bool = False  # the radix cache has taken the prompt in since (`tokens_cached`)
+    by_budget: OrderedDict[int | None, torch.Tensor] = field(default_factory=OrderedDict)
+
+    def device_positions(self, budget: int | None, device) -> torch.Tensor:
+        """[layers, Hkv, kept] int64 positions at `budget` (None: the whole selection), on
+        `device`."""
+        positions = self.by_budget.get(budget)
+        if positions is None:
+            host = self.summary.positions_within(self.shared_len, budget).long()
+            positions = self.by_budget[budget] = to_device(host, device)
+            while len(self.by_budget) > self.KEPT_BUDGETS:
+                self.by_budget.popitem(last=False)
+        else:
+            self.by_budget.move_to_end(budget)
+        return positions
 
 
 class SummaryStore:
@@ -199,7 +232,7 @@ class SummaryStore:
             summary.prompt_slots = torch.cat(
                 [cached_slots[:anchored].cpu(), summary.prompt_slots[anchored:]]
             )
-        holding = Holding(summary, shared_len, summary.positions_within(shared_len))
+        holding = Holding(summary, shared_len)
         summary.holders.add(rid)
         self._held[rid] = holding
         if computed:

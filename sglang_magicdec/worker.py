@@ -75,7 +75,9 @@ class MagicDecWorker(BaseSpecWorker):
         # on identical seeds rather than syncing its tokens).
         self.tp_group = get_parallel().tp_group
         auto = self.config.gamma == "auto"
-        self.gamma_control = GammaController(self.gamma, auto, self.tp_group)
+        self.gamma_control = GammaController(
+            self.gamma, auto, self.tp_group, budgets=self.config.budgets
+        )
         self.clock = RoundClock(timed=auto, on_cuda=self._on_cuda)
         self.latest_gamma = 0  # of the latest decode batch (0: decoded without drafts)
         # Decode batches run as plain steps, by why (`PLAIN_REASONS`).
@@ -135,7 +137,7 @@ class MagicDecWorker(BaseSpecWorker):
             with self.clock.phase("extend"):
                 return self._extend(batch, on_publish, pp_proxy_tensors)
         plain_reason = self._cannot_speculate(batch)
-        gamma = 0 if plain_reason else self.gamma_control.choose(batch)
+        gamma, budget = (0, None) if plain_reason else self.gamma_control.choose(batch)
         self.latest_gamma = gamma
         bucket = self.gamma_control.bucket(batch)
         if gamma == 0:
@@ -146,8 +148,8 @@ class MagicDecWorker(BaseSpecWorker):
             return result
         rids = [req.rid for req in batch.reqs]
         with self.clock.phase("round"):
-            result = self._speculate(batch, on_publish, gamma)
-        self.gamma_control.record_round(bucket, gamma, rids, result.accept_lens, self.clock)
+            result = self._speculate(batch, on_publish, gamma, budget)
+        self.gamma_control.record_round(bucket, gamma, rids, result.accept_lens, self.clock, budget)
         return result
 
     # -- extend: the target as usual (the draft watches) ----------------------------------------
@@ -177,11 +179,13 @@ class MagicDecWorker(BaseSpecWorker):
 
     # -- decode: draft, verify, accept, commit ------------------------------------------------
 
-    def _speculate(self, batch: ScheduleBatch, on_publish, gamma: int) -> GenerationBatchResult:
+    def _speculate(
+        self, batch: ScheduleBatch, on_publish, gamma: int, budget: int
+    ) -> GenerationBatchResult:
         committed = Committed.of(batch)
         round_slots = self._round_slots(batch, committed, gamma + 1)
         with self.clock.phase("draft_round"):
-            draft_round = self._draft_round(batch, committed, round_slots)
+            draft_round = self._draft_round(batch, committed, round_slots, budget)
         acceptor = acceptor_for(batch, gamma, committed.device, self.rng, self.device)
         # Each position's logits as SGLang's sampler rewrites them: penalties (for the output and
         # the drafts before it), then the requests' logit bias.
@@ -253,11 +257,11 @@ class MagicDecWorker(BaseSpecWorker):
         )
 
     def _draft_round(
-        self, batch: ScheduleBatch, committed: Committed, round_slots: torch.Tensor
+        self, batch: ScheduleBatch, committed: Committed, round_slots: torch.Tensor, budget: int
     ) -> DraftRound:
         """Each request's draft slots for this round, resolved once on the device: the draft
-        selection's positions (its whole context below `--magicdec-min-context`), then the
-        round's slots."""
+        selection's positions at `budget` (its whole context below `--magicdec-min-context`),
+        then the round's slots."""
         req_to_token = self.req_to_token_pool.req_to_token
         positions = []
         for req, length in zip(batch.reqs, committed.lengths, strict=True):
@@ -265,7 +269,7 @@ class MagicDecWorker(BaseSpecWorker):
                 positions.append(DraftPositions(None, [range(length)]))
             else:
                 row = req_to_token[req.kv.req_pool_idx]
-                positions.append(self.draft.positions(req, length, row))
+                positions.append(self.draft.positions(req, length, row, budget))
         draft_round = DraftRound.build(positions, req_to_token, batch.req_pool_indices, round_slots)
         if self.config.debug:
             for b, (req, length) in enumerate(zip(batch.reqs, committed.lengths, strict=True)):

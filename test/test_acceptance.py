@@ -127,11 +127,11 @@ class FakeGroup:
 def test_fixed_gamma_never_times_and_reports_itself():
     control = GammaController(3, auto=False, tp_group=FakeGroup())
     batch = make_batch([None], [1], [100])
-    assert control.choose(batch) == 3
+    assert control.choose(batch) == (3, 512)
     assert control.bucket(batch) is None
     clock = RoundClock(timed=False, on_cuda=False)
     control.record_round(None, 3, ["r0"], torch.tensor([4]), clock)  # nothing to record
-    assert control.info() == {"gamma_mode": "fixed", "current_gamma": 3}
+    assert control.info() == {"gamma_mode": "fixed", "current_gamma": 3, "current_budget": 512}
 
 
 @pytest.mark.parametrize(("round_seconds", "expected_gamma"), [(0.200, 0), (0.012, 2)])
@@ -145,7 +145,8 @@ def test_auto_gamma_decides_from_the_rounds_it_timed(round_seconds, expected_gam
     clock.seconds = {"plain_decode": 0.010, "round": round_seconds, "verify": round_seconds / 2}
     reasons = []
     for _ in range(40):
-        gamma = control.choose(batch)
+        gamma, budget = control.choose(batch)
+        assert budget == 512  # the only one
         reasons.append((control.cost_model.last.reason, gamma))
         bucket = control.bucket(batch)
         assert bucket is not None

@@ -27,6 +27,15 @@ def test_streaming_window_grows_with_generation_then_rolls():
         assert rolled[-1] == 1000 + generated - 1
 
 
+def test_streaming_at_a_round_budget_below_its_own():
+    """Budget = auto: a round drafting at 16 keeps the sinks and the last 12 prompt tokens, and
+    rolls its generated tokens at 16."""
+    draft = StreamingDraft(budget=64, sinks=4)
+    assert positions(draft.select(1000, 1000, budget=16)) == [0, 1, 2, 3, *range(988, 1000)]
+    rolled = positions(draft.select(1500, 1000, budget=16))
+    assert len(rolled) == 2 * 16 and rolled[-1] == 1499
+
+
 @pytest.mark.parametrize("committed_len", [0, 1, 3, 10, 63, 64])
 def test_streaming_short_context_reads_everything_once(committed_len):
     selected = StreamingDraft(budget=64, sinks=4).select(committed_len, prompt_len=committed_len)

@@ -62,7 +62,14 @@ def test_help_shows_magicdec_group(cli_runs):
         ),
         (["--speculative-algorithm", "MAGICDEC", "--magicdec-sinks", "-1"], "must be >= 0"),
         (["--speculative-algorithm", "MAGICDEC", "--magicdec-draft", "nope"], "invalid choice"),
-        (["--speculative-algorithm", "MAGICDEC", "--magicdec-budget", "x"], "invalid int value"),
+        (
+            ["--speculative-algorithm", "MAGICDEC", "--magicdec-budget", "x"],
+            "--magicdec-budget must be 'auto' or an integer, got 'x'",
+        ),
+        (
+            ["--speculative-algorithm", "MAGICDEC", "--magicdec-budget", "auto"],
+            "--magicdec-budget auto needs --magicdec-gamma auto",
+        ),
         *[
             ([*SNAPKV, *flags], reason)
             for flags, reason in [

@@ -9,12 +9,22 @@ import pytest
 import torch
 
 from sglang_magicdec.drafts.snapkv import SnapKVDraft
-from sglang_magicdec.summaries import Summary, SummaryStore
+from sglang_magicdec.summaries import Holding, Summary, SummaryStore
 
 
 def reference_selection(q_window, keys, budget, pool, kernel) -> torch.Tensor:
     """SnapKV written out plainly in float64: full causal attention of the window queries,
     summed over the window, pooled per query head, summed per GQA group, top-k per KV head."""
+    window, prompt_len = q_window.shape[0], keys.shape[0]
+    grouped = reference_scores(q_window, keys, pool, kernel)
+    num_kv_heads, prefix_len = grouped.shape
+    keep = min(budget - window, prefix_len)
+    top = grouped.topk(keep, dim=-1).indices.sort(dim=-1).values
+    return torch.cat([top, torch.arange(prefix_len, prompt_len).expand(num_kv_heads, -1)], dim=-1)
+
+
+def reference_scores(q_window, keys, pool, kernel) -> torch.Tensor:
+    """[Hkv, prefix_len] float64: each pre-window position's pooled, GQA-summed score."""
     window, num_q_heads, head_dim = q_window.shape
     prompt_len, num_kv_heads, _ = keys.shape
     group = num_q_heads // num_kv_heads
@@ -33,10 +43,7 @@ def reference_selection(q_window, keys, budget, pool, kernel) -> torch.Tensor:
             pooled[:, pos] = neighbours.sum(dim=1) / kernel
         else:
             pooled[:, pos] = neighbours.max(dim=1).values
-    grouped = pooled.view(num_kv_heads, group, prefix_len).sum(dim=1)
-    keep = min(budget - window, prefix_len)
-    top = grouped.topk(keep, dim=-1).indices.sort(dim=-1).values
-    return torch.cat([top, torch.arange(prefix_len, prompt_len).expand(num_kv_heads, -1)], dim=-1)
+    return pooled.view(num_kv_heads, group, prefix_len).sum(dim=1)
 
 
 @pytest.mark.parametrize(
@@ -64,9 +71,20 @@ def test_selection_matches_reference(
 
     expected = reference_selection(q_window, k_cache[key_slots], budget, pool, kernel)
     assert chosen.shape == (num_kv_heads, min(budget, prompt_len))
-    assert torch.equal(chosen, expected)
-    # The margin: the best pre-window positions not kept, best first.
+    assert torch.equal(chosen.sort(dim=-1).values, expected)
+    # Ranked: the window first, then best first, so that every smaller budget's selection is
+    # a prefix (what a round drafting at that budget reads, `Summary.positions_within`).
     prefix_len = prompt_len - window
+    window_positions = torch.arange(prefix_len, prompt_len).expand(num_kv_heads, window)
+    assert torch.equal(chosen[:, :window], window_positions)
+    # With ties (max pooling spreads one maximum over its neighbours) a top-k is any set of k
+    # positions holding the k best scores: compare scores.
+    scores = reference_scores(q_window, k_cache[key_slots], pool, kernel)
+    for smaller in range(window + 1, min(budget, prompt_len)):
+        picked = scores.gather(-1, chosen[:, window:smaller])
+        best = scores.topk(smaller - window, dim=-1).values
+        assert torch.allclose(picked.sort(dim=-1, descending=True).values, best, rtol=1e-5)
+    # The margin: the best pre-window positions not kept, best first.
     assert margin.shape == (
         num_kv_heads,
         min(budget, prefix_len - min(budget - window, prefix_len)),
@@ -108,8 +126,8 @@ def summary(tokens: list[int], first_slot: int = 0) -> Summary:
 
 
 def test_margin_ranks_the_positions_after_the_top_k():
-    """Scores rising with position: the top-k is the latest pre-window positions, the margin
-    the ones just before them, best (latest) first."""
+    """Scores rising with position: the top-k is the latest pre-window positions (after the
+    window, best first), the margin the ones just before them, best (latest) first."""
     prompt_len, window, head_dim = 64, 4, 8
     k_cache = torch.zeros(prompt_len, 1, head_dim)
     k_cache[:, 0, 0] = torch.linspace(0, 3, prompt_len)
@@ -117,7 +135,7 @@ def test_margin_ranks_the_positions_after_the_top_k():
     q_window[:, 0, 0] = 5
     draft = SnapKVDraft(budget=window + 6, obs_window=window, pool="max", pool_kernel=1)
     chosen, margin = draft.select_layer(q_window, k_cache, torch.arange(prompt_len), 1.0)
-    assert chosen[0].tolist() == [*range(54, 60), *range(60, 64)]
+    assert chosen[0].tolist() == [*range(60, 64), *range(59, 53, -1)]
     assert margin[0].tolist() == list(range(53, 43, -1))
 
 
@@ -132,6 +150,46 @@ def test_partial_share_refills_from_the_margin_then_the_latest_positions():
     assert within.tolist() == [[[0, 2, 5, 7, 9, 11]], [[1, 2, 3, 4, 5, 11]]]
     # Sharing fewer tokens than the selection holds: all of them.
     assert doc.positions_within(4).tolist() == [[[0, 1, 2, 3]], [[0, 1, 2, 3]]]
+
+
+def test_a_smaller_budget_reads_a_prefix_of_the_ranking_refilled_from_its_rest():
+    """Selected at 6 positions, ranked (window 14, 15 first, then best first): budget 4 reads
+    the first 4; sharing 12 tokens, its positions past 12 drop out and the rest of the ranking
+    refills them, best first, before the margin does."""
+    ranked = torch.tensor([[[14, 15, 9, 2, 12, 5]]], dtype=torch.int32)
+    margin = torch.tensor([[[11, 0]]], dtype=torch.int32)
+    doc = Summary(
+        tuple(range(16)), ranked.sort(dim=-1).values, margin, torch.arange(15), ranked=ranked
+    )
+    assert doc.positions_within(16, budget=4).tolist() == [[[2, 9, 14, 15]]]
+    assert doc.positions_within(16, budget=6).tolist() == [[[2, 5, 9, 12, 14, 15]]]
+    assert doc.positions_within(16).tolist() == [[[2, 5, 9, 12, 14, 15]]]
+    # 14 and 15 drop out; 12 (next in the ranking) is past the share too; 5, then 11.
+    assert doc.positions_within(12, budget=4).tolist() == [[[2, 5, 9, 11]]]
+    unranked = Summary(tuple(range(16)), ranked.sort(dim=-1).values, margin, torch.arange(15))
+    with pytest.raises(ValueError, match="without its ranking"):
+        unranked.positions_within(16, budget=4)
+
+
+def test_a_request_keeps_two_budgets_positions_on_its_device():
+    """The running budget's positions and one explored stay; a third budget evicts the one used
+    longest ago, which a later round at it recomputes alike."""
+    ranked = torch.tensor([[[14, 15, 9, 2, 12, 5]]], dtype=torch.int32)
+    doc = Summary(
+        tuple(range(16)),
+        ranked.sort(dim=-1).values,
+        torch.zeros(1, 1, 0, dtype=torch.int32),
+        torch.arange(15),
+        ranked=ranked,
+    )
+    holding = Holding(doc, shared_len=16)
+    at_4 = holding.device_positions(4, "cpu")
+    holding.device_positions(6, "cpu")
+    holding.device_positions(4, "cpu")  # 4 used last: 6 goes next
+    assert holding.device_positions(3, "cpu").tolist() == [[[9, 14, 15]]]
+    assert list(holding.by_budget) == [4, 3]
+    assert holding.device_positions(4, "cpu") is at_4
+    assert holding.device_positions(6, "cpu").tolist() == [[[2, 5, 9, 12, 14, 15]]]
 
 
 def test_head_digests_tell_which_heads_selected_otherwise():

@@ -13,11 +13,13 @@ DraftSelection = StreamingSelection | SnapKVSelection
 
 def make_selection(config, model: torch.nn.Module) -> DraftSelection:
     """The selection `--magicdec-draft` names, configured from `MagicDecConfig`."""
-    streaming = StreamingSelection(StreamingDraft(budget=config.budget, sinks=config.sinks))
+    # Summaries are selected at the largest budget; a round may draft with any smaller one.
+    budget = config.max_budget
+    streaming = StreamingSelection(StreamingDraft(budget=budget, sinks=config.sinks))
     if config.draft == "streaming":
         return streaming
     snapkv = SnapKVDraft(
-        budget=config.budget,
+        budget=budget,
         obs_window=config.obs_window,
         pool=config.pool,
         pool_kernel=config.pool_kernel,

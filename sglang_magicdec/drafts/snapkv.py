@@ -19,7 +19,7 @@ from magicdec_kernels.snapkv_scores import snapkv_window_scores
 from sglang_magicdec import radix_events
 from sglang_magicdec.drafts.streaming import StreamingSelection
 from sglang_magicdec.observer import PendingWindow, WindowObserver
-from sglang_magicdec.spec_info import DraftPositions, host_copy, to_device
+from sglang_magicdec.spec_info import DraftPositions, host_copy
 from sglang_magicdec.summaries import Summary, SummaryStore
 
 logger = logging.getLogger(__name__)
@@ -67,8 +67,9 @@ class SnapKVDraft:
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's selection of an L-token prompt, given its window queries [W, Hq, D] and
-        the pool slots of its keys [L]: the positions kept [Hkv, min(budget, L)] (sorted,
-        int64), and the margin [Hkv, ≤ margin], the next-best pre-window positions, best first."""
+        the pool slots of its keys [L]: the positions kept [Hkv, min(budget, L)], ranked (the
+        window first, then best first: its first b are the selection at budget b), and the
+        margin [Hkv, ≤ margin], the next-best pre-window positions, best first (int64)."""
         prompt_len = key_slots.numel()
         window = q_window.shape[0]
         num_kv_heads = k_cache.shape[1]
@@ -80,13 +81,17 @@ class SnapKVDraft:
         rest = scores.scatter(-1, top, float("-inf"))
         margin = rest.topk(min(self.margin, prefix_len - keep), dim=-1).indices
         window_positions = torch.arange(prefix_len, prompt_len).expand(num_kv_heads, window)
-        return torch.cat([top.sort(dim=-1).values, window_positions], dim=-1), margin
+        return torch.cat([window_positions, top], dim=-1), margin
 
-    def recent(self, summary_len: int, committed_len: int, prompt_len: int) -> list[range]:
+    def recent(
+        self, summary_len: int, committed_len: int, prompt_len: int, budget: int | None = None
+    ) -> list[range]:
         """Positions read besides a summary of the first `summary_len` prompt tokens: the rest of
         the prompt (a reuser's own suffix), then the generated tokens, of which the last
-        `budget` are kept (rolling) so a long generation does not grow the draft."""
-        generated_start = max(prompt_len, committed_len - self.budget)
+        `budget` (None: this policy's) are kept (rolling) so a long generation does not grow
+        the draft."""
+        budget = self.budget if budget is None else budget
+        generated_start = max(prompt_len, committed_len - budget)
         return [range(summary_len, prompt_len), range(generated_start, committed_len)]
 
 
@@ -224,7 +229,7 @@ class SnapKVSelection(radix_events.RadixCacheListener):
                 _report(req, "reused", summary, shared_len, heads=self.report_heads)
                 continue
             prompt_slots = req_to_token[row, : pending.prompt_len].to(torch.int64)
-            positions, margins = zip(
+            ranked, margins = zip(
                 *(
                     self.policy.select_layer(
                         pending.queries[layer.layer_id],
@@ -236,29 +241,31 @@ class SnapKVSelection(radix_events.RadixCacheListener):
                 ),
                 strict=True,
             )
+            ranked = torch.stack(ranked).to(torch.int32)
             summary = Summary(
                 tokens=tuple(req.origin_input_ids),
-                positions=torch.stack(positions).to(torch.int32),
+                positions=ranked.sort(dim=-1).values,
                 margin=torch.stack(margins).to(torch.int32),
                 prompt_slots=prompt_slots[:-1].to("cpu", copy=True),  # not a view of the row
+                ranked=ranked,
             )
             self.store.acquire(req.rid, summary, computed=True)
             _report(req, "computed", summary, heads=self.report_heads)
 
     # -- decode: the draft's slots ------------------------------------------------------------
 
-    def positions(self, req, committed_len: int, row: torch.Tensor) -> DraftPositions:
-        """The positions `req`'s draft reads this round: its summary's, on the device since its
-        first round, then its recent tokens (the streaming fallback's without a summary).
-        `row` is its `req_to_token` row."""
+    def positions(
+        self, req, committed_len: int, row: torch.Tensor, budget: int | None = None
+    ) -> DraftPositions:
+        """The positions `req`'s draft reads this round at `budget` (None: the policy's): its
+        summary's, on the device since its first round at that budget, then its recent tokens
+        (the streaming fallback's without a summary). `row` is its `req_to_token` row."""
         holding = self.store.held_by(req.rid)
         if holding is None:
-            return self.fallback.positions(req, committed_len)
+            return self.fallback.positions(req, committed_len, budget=budget)
         prompt_len = len(req.origin_input_ids)
-        if holding.device_positions is None:
-            holding.device_positions = to_device(holding.positions.long(), row.device)
-        recent = self.policy.recent(holding.shared_len, committed_len, prompt_len)
-        return DraftPositions(holding.device_positions, recent)
+        recent = self.policy.recent(holding.shared_len, committed_len, prompt_len, budget)
+        return DraftPositions(holding.device_positions(budget, row.device), recent)
 
     def check(self, req, row: torch.Tensor, free_pages, page_size) -> None:
         """Debug mode: a summary of the request's own prompt is anchored on the KV the request

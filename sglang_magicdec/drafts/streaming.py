@@ -23,11 +23,12 @@ class StreamingDraft:
     budget: int
     sinks: int
 
-    def select(self, committed_len: int, prompt_len: int) -> list[range]:
-        """The positions among [0, committed_len) that the draft attends to, as sorted ranges:
-        the sinks, then the recent window."""
+    def select(self, committed_len: int, prompt_len: int, budget: int | None = None) -> list[range]:
+        """The positions among [0, committed_len) that the draft attends to at `budget` (None:
+        this policy's), as sorted ranges: the sinks, then the recent window."""
+        budget = self.budget if budget is None else budget
         generated = max(0, committed_len - prompt_len)
-        window = self.budget - self.sinks + min(generated, self.budget)
+        window = budget - self.sinks + min(generated, budget)
         sink_end = min(self.sinks, committed_len)
         recent_start = max(sink_end, committed_len - window)
         return [range(0, sink_end), range(recent_start, committed_len)]
@@ -40,10 +41,13 @@ class StreamingSelection:
     def __init__(self, policy: StreamingDraft):
         self.policy = policy
 
-    def positions(self, req, committed_len: int, row: torch.Tensor | None = None) -> DraftPositions:
-        """The positions `req`'s draft reads this round (host side: nothing waits on a device);
-        `row` (its `req_to_token` row) is not needed."""
-        return DraftPositions(None, self.policy.select(committed_len, len(req.origin_input_ids)))
+    def positions(
+        self, req, committed_len: int, row: torch.Tensor | None = None, budget: int | None = None
+    ) -> DraftPositions:
+        """The positions `req`'s draft reads this round at `budget` (None: the policy's; host
+        side: nothing waits on a device); `row` (its `req_to_token` row) is not needed."""
+        prompt_len = len(req.origin_input_ids)
+        return DraftPositions(None, self.policy.select(committed_len, prompt_len, budget))
 
     # Nothing kept across requests, nothing needed from the prefill.
     def before_extend(self, batch, req_to_token: torch.Tensor) -> None:

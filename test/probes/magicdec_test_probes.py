@@ -107,13 +107,13 @@ def load() -> None:
 
             return run
 
-        def speculate(original, worker, batch, on_publish, gamma):
+        def speculate(original, worker, batch, on_publish, gamma, budget):
             counter = HostSyncCounter()
             _active.append(counter)
             try:
                 with counter:
                     publish = None if on_publish is None else paused(on_publish)
-                    result = original(worker, batch, publish, gamma)
+                    result = original(worker, batch, publish, gamma, budget)
             finally:
                 _active.remove(counter)
             record = {
