@@ -533,24 +533,22 @@ class CostModel:
     def exploration_spacing(
         self,
         costs: StepCosts,
-        alphas: dict[int | None, list[float]] | list[float],
-        running: tuple | int,
-        explored: tuple | int,
+        alphas: dict[int | None, list[float]],
+        running: tuple[int, int | None],
+        explored: tuple[int, int | None],
     ) -> float:
         """Decisions to wait before exploring plan `explored` instead of running `running`
-        (γ, budget; or γ alone), so that explorations cost at most `explore_overhead` of the
+        (each γ, budget), so that explorations cost at most `explore_overhead` of the
         time: a round predicted to lose ℓ decisions' worth of time (its time over the running
         plan's, less its tokens over the running plan's) is explored at most every
         ℓ / explore_overhead decisions, and at least every `explore_every_max`. On the Qwen
         model in float32 a γ = 3 round costs 4.5 plain steps for about 2 steps' tokens; explored
         every 16-64 decisions, as where γs are close, such rounds cost a settled γ = 0 batch
         4-8% against plain decoding."""
-        by_budget = alphas if isinstance(alphas, dict) else {None: alphas}
-        run_gamma, run_budget = running if isinstance(running, tuple) else (running, None)
-        gamma, budget = explored if isinstance(explored, tuple) else (explored, None)
+        (run_gamma, run_budget), (gamma, budget) = running, explored
         time_ratio = costs.seconds(gamma, budget) / costs.seconds(run_gamma, run_budget)
-        lost = time_ratio - self.tokens(gamma, by_budget[budget]) / self.tokens(
-            run_gamma, by_budget[run_budget]
+        lost = time_ratio - self.tokens(gamma, alphas[budget]) / self.tokens(
+            run_gamma, alphas[run_budget]
         )
         return min(max(lost, 0.0) / self.explore_overhead, self.explore_every_max)
 
