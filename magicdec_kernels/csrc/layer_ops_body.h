@@ -2,10 +2,10 @@
 // instruction set by multiversion.h, with fp-contract=off: plain loops the compiler vectorises
 // for that set, products and sums rounded separately, as torch rounds them.
 
-// e^x for x in [-87.3, 88.3] (clamped outside), within ~2 ulp: Cody-Waite reduction to
-// r = x - n ln 2, |r| <= ln 2 / 2, then Cephes' polynomial for e^r. Branch-free, so it vectorises.
-inline float exp_approx(float x) {
-  x = std::min(std::max(x, -87.3f), 88.3f);
+// e^x for x in [-87.3, 88.3] (the caller clamps), within ~2 ulp: Cody-Waite reduction to
+// r = x - n ln 2, |r| <= ln 2 / 2, then Cephes' polynomial for e^r. Branch-free, so a loop of it
+// vectorises (with the clamp in the same loop GCC splits the loop into branches and does not).
+inline float exp_clamped(float x) {
   const float n = std::nearbyint(x * 1.44269504088896341f);
   float r = x - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
@@ -103,15 +103,21 @@ void rotary_rows(const int64_t* positions, T* query, int64_t q_stride, int64_t q
 template <typename T>
 void silu_and_mul_rows(const T* x, int64_t x_stride, T* out, int64_t out_stride, int64_t half,
                        int64_t begin, int64_t end) {
+  // A row in chunks, each in three loops (clamp, e^-a, the product) that each vectorise.
+  constexpr int64_t kChunk = 64;
+  float e[kChunk];
   for (int64_t row = begin; row < end; ++row) {
     const T* gate = x + row * x_stride;
     const T* up = gate + half;
     T* o_row = out + row * out_stride;
-    for (int64_t i = 0; i < half; ++i) {
-      const float a = widen(gate[i]);
-      const float silu = round_as<T>(a / (1.0f + exp_approx(-a)));
-      o_row[i] = narrow_to<T>(silu * widen(up[i]));
+    for (int64_t i0 = 0; i0 < half; i0 += kChunk) {
+      const int64_t n = std::min(kChunk, half - i0);
+      for (int64_t j = 0; j < n; ++j) e[j] = std::min(std::max(-widen(gate[i0 + j]), -87.3f), 88.3f);
+      for (int64_t j = 0; j < n; ++j) e[j] = exp_clamped(e[j]);
+      for (int64_t j = 0; j < n; ++j) {
+        const float silu = round_as<T>(widen(gate[i0 + j]) / (1.0f + e[j]));
+        o_row[i0 + j] = narrow_to<T>(silu * widen(up[i0 + j]));
+      }
     }
   }
 }
-
