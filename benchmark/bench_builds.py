@@ -34,7 +34,7 @@ import torch
 
 from benchmark.floors import read_bandwidth
 from magicdec_kernels import cpu_native
-from magicdec_kernels.loader import _import_cpp_extension, native
+from magicdec_kernels.loader import native
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LAYERS, HIDDEN, INTERMEDIATE, VOCAB = 30, 576, 1536, 49152
@@ -53,7 +53,9 @@ def build_ref(rev: str, folder: Path) -> ModuleType:
         tar.extractall(folder, filter="data")
     sources = sorted(str(p) for p in (folder / "magicdec_kernels/csrc").glob("*.cpp"))
     openmp = ["-fopenmp"] if torch.backends.openmp.is_available() else []
-    return _import_cpp_extension().load(
+    from torch.utils import cpp_extension
+
+    return cpp_extension.load(
         name="magicdec_ref_kernels",
         sources=sources,
         build_directory=str(folder),

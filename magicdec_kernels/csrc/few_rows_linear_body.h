@@ -17,11 +17,13 @@ constexpr int kTilePanels = Ops::kRegisters == 32 ? 3 : 1;
 constexpr int kTileRowsMax = Ops::kRegisters == 32 ? 8 : 4;
 using V = Ops::V;
 // How far ahead (in k, or pairs of k for bf16: one 64-byte line of a panel each) the panels
-// are prefetched into L1, so the stream of weights overlaps the multiply-adds of 5 or more rows
-// instead of the two taking turns. Measured on an AVX2-only AMD EPYC, SmolLM2's layers, builds
-// alternating (`benchmark/bench_builds.py`): float32 5-23% faster at 4-32 rows, bf16 (widened)
-// 4-17% at 1-32 rows; 32 lines ahead and 96 about the same. The `vdpbf16ps` path has none: not
-// measured (no such CPU here).
+// are prefetched into L1, so the stream of weights overlaps the multiply-adds of 2 or more rows
+// instead of the two taking turns; AVX2 builds only. Measured on an AVX2-only AMD EPYC, SmolLM2's
+// layers, builds alternating (`benchmark/bench_builds.py`): float32 0-24% faster at 4-32 rows
+// (about 5% at 8), bf16 (widened) 4-18% at 1-32 rows; 32 lines ahead and 96 about the same. Not
+// measured with AVX-512 (no such CPU here), where a prefetch of the next tile's panels into L2
+// measured 0-7% slower on a Xeon (stop 50), so those builds have none.
+constexpr bool kPrefetchPanels = Ops::W == 8;
 constexpr int64_t kPrefetchLines = 32;
 
 // float32 W, or bf16 W widened to float32 (a pair of k per 32-bit word: the low half is k).
@@ -33,7 +35,7 @@ struct Widened {
                           int64_t depth, V (&acc)[MB][NP * kVectorsPerPanel]) {
     if constexpr (std::is_same_v<T, float>) {
       for (int64_t k = 0; k < depth; ++k) {
-        if constexpr (MB > 1) {  // one row streams as fast without (4% slower with it)
+        if constexpr (kPrefetchPanels && MB > 1) {  // one row: as fast without (4% slower with)
           for (int p = 0; p < NP; ++p) {
             Ops::prefetch(panels + p * panel_stride + (k + kPrefetchLines) * kPanel);
           }
@@ -53,8 +55,10 @@ struct Widened {
       // bf16: word l of pair k2 holds (W[l][2 k2], W[l][2 k2 + 1]); k first, then k + 1.
       const int64_t pairs = (depth + 1) / 2;
       for (int64_t k2 = 0; k2 < pairs; ++k2) {
-        for (int p = 0; p < NP; ++p) {
-          Ops::prefetch(panels + p * panel_stride + (k2 + kPrefetchLines) * 2 * kPanel);
+        if constexpr (kPrefetchPanels) {
+          for (int p = 0; p < NP; ++p) {
+            Ops::prefetch(panels + p * panel_stride + (k2 + kPrefetchLines) * 2 * kPanel);
+          }
         }
         for (int half = 0; half < 2; ++half) {
           const int64_t k = 2 * k2 + half;
