@@ -34,7 +34,7 @@ import torch
 
 from benchmark.floors import read_bandwidth
 from magicdec_kernels import cpu_native
-from magicdec_kernels.loader import native
+from magicdec_kernels.loader import build, native
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LAYERS, HIDDEN, INTERMEDIATE, VOCAB = 30, 576, 1536, 49152
@@ -42,7 +42,7 @@ Q_HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 
 
 def build_ref(rev: str, folder: Path) -> ModuleType:
-    """The kernels of `rev`, built under another module name."""
+    """The kernels of `rev`, built as this tree's are (`loader.build`) under another name."""
     archive = subprocess.run(
         ["git", "archive", rev, "magicdec_kernels/csrc"],
         cwd=REPO_ROOT,
@@ -51,17 +51,8 @@ def build_ref(rev: str, folder: Path) -> ModuleType:
     ).stdout
     with tarfile.open(fileobj=BytesIO(archive)) as tar:
         tar.extractall(folder, filter="data")
-    sources = sorted(str(p) for p in (folder / "magicdec_kernels/csrc").glob("*.cpp"))
-    openmp = ["-fopenmp"] if torch.backends.openmp.is_available() else []
-    from torch.utils import cpp_extension
-
-    return cpp_extension.load(
-        name="magicdec_ref_kernels",
-        sources=sources,
-        build_directory=str(folder),
-        extra_cflags=["-O3", *openmp],
-        extra_ldflags=openmp,
-        is_python_module=True,
+    return build(
+        csrc=folder / "magicdec_kernels/csrc", build_dir=folder, name="magicdec_ref_kernels"
     )
 
 

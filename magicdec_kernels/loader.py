@@ -22,10 +22,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 BUILD_DIR = Path(__file__).parent / "_native"
-SOURCES = [
-    Path(__file__).parent / "csrc" / name
-    for name in ("module.cpp", "slot_attention.cpp", "few_rows_linear.cpp", "layer_ops.cpp")
-]
+CSRC = Path(__file__).parent / "csrc"
+SOURCE_NAMES = ("module.cpp", "slot_attention.cpp", "few_rows_linear.cpp", "layer_ops.cpp")
 EXTENSION_NAME = "magicdec_cpu_kernels"
 
 
@@ -70,17 +68,24 @@ def capabilities() -> Capabilities:
     return Capabilities(**module.capabilities())
 
 
-def build(verbose: bool = False) -> ModuleType:
-    """Compile (if the sources or the headers they include changed) and load the extension."""
+def build(
+    verbose: bool = False,
+    csrc: Path = CSRC,
+    build_dir: Path = BUILD_DIR,
+    name: str = EXTENSION_NAME,
+) -> ModuleType:
+    """Compile (if the sources or the headers they include changed) and load the extension; by
+    default this tree's, otherwise the sources in `csrc` (another revision's, for
+    `benchmark/bench_builds.py`) as module `name` built in `build_dir`."""
     cpp_extension = _import_cpp_extension()
-    BUILD_DIR.mkdir(parents=True, exist_ok=True)
+    build_dir.mkdir(parents=True, exist_ok=True)
     # at::parallel_for is inline: under torch's OpenMP backend its `omp parallel` is compiled into
     # the extension, which then shares torch's libgomp (already loaded) and thread count.
     openmp = ["-fopenmp"] if torch.backends.openmp.is_available() else []
     return cpp_extension.load(
-        name=EXTENSION_NAME,
-        sources=[str(source.resolve()) for source in SOURCES],
-        build_directory=str(BUILD_DIR),
+        name=name,
+        sources=[str((csrc / source).resolve()) for source in SOURCE_NAMES],
+        build_directory=str(build_dir),
         # No -march=native: each kernel is compiled per instruction set (csrc/multiversion.h).
         extra_cflags=["-O3", *openmp],
         extra_ldflags=openmp,
