@@ -33,7 +33,7 @@ lint: install
 	$(PY) -m ruff check .
 
 test: install lint
-	$(PY) -m pytest -ra --durations=15
+	$(PY) -m pytest -ra --durations=30
 
 bench: install
 	$(PY) -m benchmark.suite

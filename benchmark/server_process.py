@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import requests
 
 from sglang_magicdec.model import SMOLLM2
@@ -61,6 +62,23 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+    def kill(self) -> None:
+        """SIGKILL the launcher and the processes it started (scheduler, detokenizer), for a
+        server with nothing to drain: one whose bind failed hangs instead of exiting on SIGTERM,
+        which cost `stop()` its 30 s wait."""
+        try:
+            children = psutil.Process(self.process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            children = []
+        for process in [*children, self.process]:
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+        self.process.wait()
+        psutil.wait_procs(children, timeout=30)
+        self._terminated = True
 
 
 # The port is free when chosen, but a server binds it only once loaded (tens of seconds on a
@@ -118,7 +136,7 @@ def _wait_until_serving(server: ServerProcess, timeout_s: float) -> bool:
                 return True
         except requests.RequestException:
             if BIND_FAILED in server.log_tail():
-                server.stop()
+                server.kill()
                 return False
         time.sleep(1)
     server.stop()

@@ -16,6 +16,10 @@ pytestmark = pytest.mark.server  # starts real SGLang servers
 SAMPLES = 2000
 CHUNK = 250  # requests per /generate call (a list of prompts)
 MIN_P_VALUE = 1e-3
+# One draft token a round: only output tokens 0 and 1 are tested, and token 1's law is the same
+# at any γ (it is the first draft token, kept or replaced); more would cost drafts and verify rows
+# no assertion reads (each of the 32 batches of 250 requests ran ~2x longer at γ = 3).
+SAMPLER_GAMMA = 1
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +33,7 @@ def sampler(server_factory):
         "--speculative-algorithm",
         "MAGICDEC",
         "--speculative-num-steps",
-        "3",
+        str(SAMPLER_GAMMA),
         "--magicdec-draft",
         "streaming",
         "--magicdec-budget",
@@ -44,9 +48,10 @@ def sampler(server_factory):
 
 def test_sglang_launcher_carries_magicdec_flags(sampler):
     """`python -m sglang.launch_server` parses our flags and hands them to the worker with the
-    server arguments: the worker reports the values given, not the defaults (512 and 16)."""
+    server arguments: the worker reports the values given, not the defaults (512, 16 and 3)."""
     info = sampler.server_info()["internal_states"][0]["magicdec"]
-    assert (info["draft"], info["budget"], info["sinks"], info["gamma"]) == ("streaming", 32, 4, 3)
+    given = ("streaming", 32, 4, SAMPLER_GAMMA)
+    assert (info["draft"], info["budget"], info["sinks"], info["gamma"]) == given
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +129,7 @@ def test_first_speculated_token_follows_the_target(
     spec = sample_tokens(sampler, prompt, SAMPLES, seeded=seeded, **params)
     reference = reference_samples(**params)
     assert sum(r["meta_info"]["spec_verify_ct"] for r in spec) >= SAMPLES
-    drafted = 3 * sum(r["meta_info"]["spec_verify_ct"] for r in spec)
+    drafted = SAMPLER_GAMMA * sum(r["meta_info"]["spec_verify_ct"] for r in spec)
     correct = sum(r["meta_info"]["spec_num_correct_drafts"] for r in spec)
     assert 0 < correct < drafted, "drafts should be both kept and rejected"
     for position in (0, 1):
