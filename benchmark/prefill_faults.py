@@ -19,20 +19,15 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
-
-from benchmark.common import DEFAULT_DATA
+from benchmark.common import DEFAULT_DATA, MODELS
 from benchmark.server_process import start_server
 from benchmark.suite import load_prompts
-from sglang_magicdec.model import QWEN_CODER, SMOLLM2, embedded_model_path
-
-MODELS = {"qwen": QWEN_CODER, "smollm2": SMOLLM2}
+from sglang_magicdec.model import embedded_model_path
 
 
 def scheduler_times(server) -> tuple[float, float, float]:
     """(user s, system s, resident GB) of the server's scheduler process."""
-    children = psutil.Process(server.process.pid).children(recursive=True)
-    scheduler = next(p for p in children if "scheduler" in p.name())
+    scheduler = server.scheduler()
     cpu = scheduler.cpu_times()
     return cpu.user, cpu.system, scheduler.memory_info().rss / 1e9
 

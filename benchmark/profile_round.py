@@ -30,8 +30,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import psutil
-
 from benchmark import round_timers
 from benchmark.common import DEFAULT_DATA, MODELS, magicdec_info, run_batch
 from benchmark.server_process import start_server
@@ -155,9 +153,7 @@ def main() -> None:
         run_batch(server, prompts, 1)  # prefill into the radix cache
         run_batch(server, prompts, 16, args.sampling)  # warm
         if args.py_spy:
-            # The scheduler is the child that has done the work so far.
-            children = psutil.Process(server.process.pid).children(recursive=True)
-            scheduler = max(children, key=lambda child: child.cpu_times().user)
+            scheduler = server.scheduler()
             spy = subprocess.Popen(
                 [str(Path(sys.executable).with_name("py-spy")), "record", "-f", "raw", "-r", "50",
                  "-p", str(scheduler.pid), "-o", str(raw), "--nonblocking"],

@@ -63,14 +63,24 @@ class ServerProcess:
             self.process.kill()
             self.process.wait()
 
+    def children(self) -> list[psutil.Process]:
+        """The processes the launcher started (scheduler, detokenizer, TP ranks); none once it
+        has exited."""
+        try:
+            return psutil.Process(self.process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def scheduler(self) -> psutil.Process:
+        """The scheduler: of the launcher's children, the one that has done the most work (it
+        loaded the model)."""
+        return max(self.children(), key=lambda child: child.cpu_times().user)
+
     def kill(self) -> None:
         """SIGKILL the launcher and the processes it started (scheduler, detokenizer), for a
         server with nothing to drain: one whose bind failed hangs instead of exiting on SIGTERM,
         which cost `stop()` its 30 s wait."""
-        try:
-            children = psutil.Process(self.process.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            children = []
+        children = self.children()
         for process in [*children, self.process]:
             try:
                 process.kill()

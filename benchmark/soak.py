@@ -164,7 +164,7 @@ class Sampler:
         root = psutil.Process(self.server.process.pid)
         start = time.monotonic()
         while not self.done.wait(self.every_s):
-            processes = [root, *root.children(recursive=True)]
+            processes = [root, *self.server.children()]
             rss = sum(p.memory_info().rss for p in processes if p.is_running())
             try:
                 # Both answer from the scheduler, which a long prefill chunk holds for minutes.
