@@ -1,5 +1,7 @@
-"""`sglang.srt.plugins` entry point, run by SGLang early in every process (launcher, scheduler,
-detokenizer), so whatever we register here exists wherever SGLang looks for it."""
+"""`sglang.srt.plugins` entry point, run by SGLang early in every process it starts fresh
+(launcher, and scheduler and detokenizer where they are spawned; a CPU server forks them from the
+launcher, `platforms.hooks.fork_server_processes`), so whatever we register here exists wherever
+SGLang looks for it."""
 
 from __future__ import annotations
 

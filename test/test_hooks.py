@@ -23,6 +23,7 @@ from sglang.srt.plugins import load_plugins
 from sglang.srt.plugins.hook_registry import HookRegistry
 
 from sglang_magicdec import config, plugin, radix_events
+from sglang_magicdec.platforms import hooks
 
 OURS = "sglang_magicdec"
 
@@ -47,8 +48,37 @@ def test_hooks_cover_the_internals_the_design_names():
         plugin.INTERNAL_STATE_SPECULATIVE,
         f"{config.SERVER_ARGS}.add_cli_args",
         f"{config.SERVER_ARGS}.from_cli_args",
+        hooks.SET_ENVS_AND_CONFIG,
     ):
         assert expected in targets
+
+
+def test_a_cpu_server_forks_its_scheduler_and_detokenizer():
+    """SGLang's environment step, as our CPU platform hooks it, leaves the launcher starting its
+    processes by fork: SGLang's spawn makes each child import SGLang again (~20 s a start)."""
+    import multiprocessing
+    import os
+    import signal
+
+    from sglang.srt.entrypoints import engine
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_magicdec.model import SMOLLM2, embedded_model_path
+
+    load_plugins()
+    server_args = ServerArgs(model_path=embedded_model_path(SMOLLM2))
+    server_args.resolve_once()
+    # The step also sets environment variables, limits and a SIGQUIT handler for the launcher.
+    method, environ = multiprocessing.get_start_method(allow_none=True), dict(os.environ)
+    sigquit = signal.getsignal(signal.SIGQUIT)
+    try:
+        engine._set_envs_and_config(server_args)
+        assert multiprocessing.get_start_method() == "fork"
+    finally:
+        multiprocessing.set_start_method(method, force=True)
+        os.environ.clear()
+        os.environ.update(environ)
+        signal.signal(signal.SIGQUIT, sigquit)
 
 
 @pytest.mark.parametrize("target", our_hook_targets())
