@@ -104,8 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     from sglang.srt.utils import kill_process_tree
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    # Import-time notices about GPU-only quantization kernels; meaningless here and noisy.
+    # Import-time notices about GPU-only kernels; meaningless here and noisy. Loading our plugins
+    # imports SGLang's engine on a CPU (`platforms.hooks.SET_ENVS_AND_CONFIG`), Triton's with it.
     warnings.filterwarnings("ignore", message="Only CUDA", category=UserWarning)
+    warnings.filterwarnings("ignore", message="Triton is not supported", category=UserWarning)
     load_plugins()  # ours included: registers the attention backend before flags are parsed
     try:
         server_args = prepare(argv)
